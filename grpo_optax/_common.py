@@ -1,0 +1,115 @@
+"""Small helpers shared by the GRPO transforms (validation, reductions, casts).
+
+Nothing here is public API. Validation helpers accept Python numbers, NumPy
+scalars and concrete JAX arrays; traced values (as passed by
+``optax.inject_hyperparams`` inside ``jit``) are skipped, because their value is
+unknown at trace time and branching on them would break tracing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# A pytree leaf that tree maps should treat as absent (masked out by
+# ``optax.masked``-like wrappers pass ``None`` / ``optax.MaskedNode``).
+
+
+def concrete_value(value: Any) -> float | None:
+  """Returns ``value`` as a Python float, or ``None`` if it is traced."""
+  if isinstance(value, jax.core.Tracer):
+    return None
+  try:
+    arr = np.asarray(value)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    return None
+  if arr.shape != ():
+    raise TypeError(f"expected a scalar hyper-parameter, got shape {arr.shape}")
+  return float(arr)
+
+
+def check_range(name: str, value: Any, low: float | None = None,
+                high: float | None = None, *, low_inclusive: bool = True,
+                high_inclusive: bool = True) -> None:
+  """Raises ``ValueError`` naming ``name`` if ``value`` lies outside the range.
+
+  The range is written in the message in interval notation, e.g. ``[0, 1)``.
+  Traced values are not checked.
+  """
+  v = concrete_value(value)
+  if v is None:
+    return
+  ok = not math.isnan(v)
+  if ok and low is not None:
+    ok = v >= low if low_inclusive else v > low
+  if ok and high is not None:
+    ok = v <= high if high_inclusive else v < high
+  if not ok:
+    lo = "(-inf" if low is None else ("[" if low_inclusive else "(") + f"{low:g}"
+    hi = "inf)" if high is None else f"{high:g}" + ("]" if high_inclusive else ")")
+    raise ValueError(f"{name} must be in {lo}, {hi}; got {value!r}")
+
+
+def check_int(name: str, value: Any, low: int) -> int:
+  """Checks that ``value`` is a Python int >= ``low`` and returns it."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+  if value < low:
+    raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
+  return int(value)
+
+
+def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
+  if value not in choices:
+    raise ValueError(
+        f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+def require_params(params: Any, who: str, why: str) -> None:
+  if params is None:
+    raise ValueError(
+        f"{who} needs `params` {why}: call `update(updates, state, params)`"
+        " (or `optimizer.update(model, grads)` with Flax NNX).")
+
+
+def check_same_structure(name: str, tree: Any, like: Any, who: str) -> None:
+  """Raises ``ValueError`` if ``tree`` does not have the structure of ``like``."""
+  s1 = jax.tree.structure(tree)
+  s2 = jax.tree.structure(like)
+  if s1 != s2:
+    raise ValueError(
+        f"{who}: `{name}` must have the same tree structure as the updates;"
+        f" got {s1} vs updates {s2}")
+
+
+def is_static_zero(value: Any) -> bool:
+  """True if ``value`` is a concrete number equal to 0."""
+  v = concrete_value(value)
+  return v is not None and v == 0.0
+
+
+def mean32(x: jax.Array) -> jax.Array:
+  """Mean of all elements, accumulated in float32 (at least); 0 for empty."""
+  if x.size == 0:
+    return jnp.zeros((), jnp.float32)
+  return jnp.mean(x, dtype=jnp.promote_types(x.dtype, jnp.float32))
+
+
+def sum32(x: jax.Array) -> jax.Array:
+  return jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))
+
+
+def bias_correction(decay: Any, count: jax.Array) -> jax.Array:
+  """``1 - decay**count`` in float32 (``count`` already incremented)."""
+  return 1 - jnp.asarray(decay, jnp.float32) ** count.astype(jnp.float32)
+
+
+def leaves_mean(values: list[jax.Array]) -> jax.Array:
+  """Mean of a list of scalars (0 for an empty list)."""
+  if not values:
+    return jnp.zeros((), jnp.float32)
+  return jnp.mean(jnp.stack([jnp.asarray(v, jnp.float32) for v in values]))
