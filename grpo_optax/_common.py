@@ -32,6 +32,19 @@ def concrete_value(value: Any) -> float | None:
   return float(arr)
 
 
+def f32(value: Any) -> Any:
+  """Python numbers become ``np.float32`` scalars; arrays and tracers pass.
+
+  Doing the hyper-parameter arithmetic (``1 - b1``, ...) in float32 whether
+  the value is a Python float or an array injected by
+  ``optax.inject_hyperparams`` makes both give bit-identical results.
+  """
+  if isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(
+      value, bool):
+    return np.float32(value)
+  return value
+
+
 def check_range(name: str, value: Any, low: float | None = None,
                 high: float | None = None, *, low_inclusive: bool = True,
                 high_inclusive: bool = True) -> None:

@@ -1,0 +1,1 @@
+"""Flax NNX examples trained with the GRPO optax chain."""

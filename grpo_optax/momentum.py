@@ -1,0 +1,158 @@
+"""Noise filter + Nesterov + Adam/RMSProp mix (seed mechanism 5).
+
+Article 004 §2.3 describes a three-stage gradient treatment: a moving-average
+noise filter, Nesterov momentum, and an adaptive learning rate mixing Adam and
+RMSProp. This module pins it as one transform whose limit cases are exactly
+optax's Adam, NAdam and RMSProp.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from grpo_optax import _common
+
+
+class ScaleByNesterovAdamRmsState(NamedTuple):
+  """State of :func:`scale_by_nesterov_adam_rms`."""
+
+  count: jax.Array  # shape=(), dtype=int32
+  mu: optax.Updates  # first moment (Adam)
+  nu: optax.Updates  # second moment, shared by Adam and RMSProp
+  filtered: Optional[optax.Updates]  # noise-filter EMA, None when disabled
+
+
+def scale_by_nesterov_adam_rms(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    adam_weight: float = 0.5,
+    nesterov: bool = True,
+    filter_decay: Optional[float] = None,
+    mu_dtype: Optional[Any] = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Mixes a (Nesterov-)Adam update with an RMSProp update sharing one ``nu``.
+
+  With ``g`` the incoming update and ``t`` the step count before this step:
+
+  1. Noise filter (only if ``filter_decay = d_f`` is given):
+     :math:`f_t = d_f f_{t-1} + (1-d_f) g`, :math:`g \leftarrow f_t / (1 - d_f^{t+1})`
+     (a bias-corrected moving average, as ``optax.ema(d_f, debias=True)``).
+  2. Moments: :math:`m_t = b_1 m_{t-1} + (1-b_1) g`,
+     :math:`v_t = b_2 v_{t-1} + (1-b_2) g^2`.
+  3. :math:`A` = Adam's update, :math:`\hat m / (\sqrt{\hat v + \epsilon_{root}} + \epsilon)`,
+     with Nesterov's look-ahead :math:`\hat m = b_1 m_t / (1-b_1^{t+2}) + (1-b_1) g / (1-b_1^{t+1})`
+     when ``nesterov`` (exactly ``optax.scale_by_adam(..., nesterov=nesterov)``);
+     :math:`R = g / (\sqrt{v_t} + \epsilon)`, RMSProp without bias correction
+     (exactly ``optax.scale_by_rms(decay=b2, eps=eps, eps_in_sqrt=False)``).
+  4. Output :math:`w A + (1 - w) R` with ``w = adam_weight``.
+
+  Limits: ``adam_weight=1, nesterov=False`` is ``optax.scale_by_adam``,
+  ``adam_weight=1, nesterov=True`` is NAdam, ``adam_weight=0`` is RMSProp.
+  Early in training, RMSProp's un-corrected ``v`` is small, so ``R`` is larger
+  than ``A`` by up to ``1/sqrt(1-b2^t)``; a mix with ``w < 1`` therefore takes
+  larger first steps than Adam (use a warm-up schedule if that matters).
+
+  Args:
+    b1: decay of the first moment, in [0, 1).
+    b2: decay of the second moment, in [0, 1).
+    eps: added to the denominator, >= 0.
+    eps_root: added inside the square root of Adam's denominator, >= 0.
+    adam_weight: weight ``w`` of the Adam update, in [0, 1].
+    nesterov: whether Adam uses Nesterov's look-ahead (NAdam).
+    filter_decay: decay of the noise filter in [0, 1), or ``None`` for no filter.
+    mu_dtype: optional dtype of the first moment (e.g. ``jnp.bfloat16``).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, grpo_optax
+    >>> tx = optax.chain(grpo_optax.scale_by_nesterov_adam_rms(adam_weight=0.5),
+    ...                  optax.scale(-1e-3))
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.full(3, 0.5)}, state, params)
+    >>> updates["w"].shape
+    (3,)
+
+  References:
+    Kingma & Ba, `Adam: A Method for Stochastic Optimization
+    <https://arxiv.org/abs/1412.6980>`_, 2015.
+    Dozat, `Incorporating Nesterov Momentum into Adam
+    <https://openreview.net/pdf?id=OM0jvwB8jIp57ZJjtNEZ>`_, 2016.
+    Tieleman & Hinton, RMSProp, Lecture 6.5, COURSERA: Neural Networks, 2012.
+    Xie et al., `Adan: Adaptive Nesterov Momentum Algorithm
+    <https://arxiv.org/abs/2208.06677>`_, 2022.
+  """
+  _common.check_range("b1", b1, 0.0, 1.0, high_inclusive=False)
+  _common.check_range("b2", b2, 0.0, 1.0, high_inclusive=False)
+  _common.check_range("eps", eps, 0.0)
+  _common.check_range("eps_root", eps_root, 0.0)
+  _common.check_range("adam_weight", adam_weight, 0.0, 1.0)
+  if filter_decay is not None:
+    _common.check_range("filter_decay", filter_decay, 0.0, 1.0,
+                        high_inclusive=False)
+  if not isinstance(nesterov, bool):
+    raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
+  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+
+  b1 = _common.f32(b1)
+  b2 = _common.f32(b2)
+  eps = _common.f32(eps)
+  eps_root = _common.f32(eps_root)
+  adam_weight = _common.f32(adam_weight)
+  if filter_decay is not None:
+    filter_decay = _common.f32(filter_decay)
+
+  def init_fn(params):
+    return ScaleByNesterovAdamRmsState(
+        count=jnp.zeros([], jnp.int32),
+        mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+        nu=optax.tree.zeros_like(params),
+        filtered=(None if filter_decay is None
+                  else optax.tree.zeros_like(params)),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    count_inc = optax.safe_increment(state.count)
+    filtered = state.filtered
+    if filter_decay is not None:
+      new_f = optax.tree.update_moment(updates, filtered, filter_decay, 1)
+      filtered = optax.tree.cast_like(new_f, state.filtered)
+      g = optax.tree.bias_correction(new_f, filter_decay, count_inc)
+      g = optax.tree.cast_like(g, updates)
+    else:
+      g = updates
+
+    mu = optax.tree.update_moment(g, state.mu, b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(g, state.nu, b2, 2)
+    if nesterov:
+      mu_hat = jax.tree.map(
+          lambda m, gi: b1 * m + (1 - b1) * gi,
+          optax.tree.bias_correction(mu, b1, optax.safe_increment(count_inc)),
+          optax.tree.bias_correction(g, b1, count_inc))
+    else:
+      mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
+    nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
+
+    def mix(m_hat, v_hat, v, gi):
+      adam = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
+      rms = gi * (1 / (jnp.sqrt(v) + eps))
+      out = adam_weight * adam + (1 - adam_weight) * rms
+      return out.astype(gi.dtype)
+
+    out = jax.tree.map(mix, mu_hat, nu_hat, nu, g)
+    mu = optax.tree.cast(mu, mu_dtype) if mu_dtype is not None else (
+        optax.tree.cast_like(mu, state.mu))
+    nu = optax.tree.cast_like(nu, state.nu)
+    return out, ScaleByNesterovAdamRmsState(
+        count=count_inc, mu=mu, nu=nu, filtered=filtered)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,78 @@
+"""The contract every transform of the package passes (see test_contract.py).
+
+Each entry of :data:`CASES` names a factory and its keyword arguments. Later
+transforms add an entry here; ``test_contract.py`` runs the whole matrix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import optax
+
+import grpo_optax
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One transform under the contract.
+
+  Attributes:
+    name: test id.
+    factory: the public factory.
+    kwargs: arguments for the factory (floats are injected by
+      ``optax.inject_hyperparams`` in the injection test).
+    static_args: arguments that ``inject_hyperparams`` must keep static.
+    lr: learning rate of the convergence tests.
+    optimizer: builds a full optimizer from the transform and ``lr``; by
+      default ``chain(transform, scale(-lr))``.
+    steps: convergence steps.
+  """
+
+  name: str
+  factory: Callable[..., optax.GradientTransformation]
+  kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+  static_args: tuple[str, ...] = ()
+  lr: float = 0.05
+  optimizer: Callable[[optax.GradientTransformation, float],
+                      optax.GradientTransformation] | None = None
+  steps: int = 3000
+
+  def make(self, **overrides) -> optax.GradientTransformation:
+    return self.factory(**{**self.kwargs, **overrides})
+
+  def make_optimizer(self) -> optax.GradientTransformation:
+    tx = self.make()
+    if self.optimizer is not None:
+      return self.optimizer(tx, self.lr)
+    return optax.chain(tx, optax.scale(-self.lr))
+
+  def __str__(self):
+    return self.name
+
+
+def _then_sgd(tx, lr):
+  return optax.chain(tx, optax.sgd(lr, momentum=0.9))
+
+
+CASES: list[Case] = [
+    Case("clip_with_l2", grpo_optax.clip_with_l2,
+         dict(max_norm=1.0, l2=1e-4), lr=2e-3, optimizer=_then_sgd,
+         steps=4000),
+    Case("clip_no_l2", grpo_optax.clip_with_l2, dict(max_norm=0.5),
+         lr=2e-3, optimizer=_then_sgd, steps=4000),
+    Case("variance_lr_leaf", grpo_optax.scale_by_variance_lr,
+         dict(coef=0.1, decay=0.9), lr=2e-3, optimizer=_then_sgd,
+         steps=4000),
+    Case("variance_lr_element_normalized", grpo_optax.scale_by_variance_lr,
+         dict(coef=0.5, decay=0.9, reduction="element", normalize=True),
+         lr=2e-3, optimizer=_then_sgd, steps=4000),
+    Case("variance_lr_global", grpo_optax.scale_by_variance_lr,
+         dict(coef=0.1, reduction="global"), lr=2e-3, optimizer=_then_sgd,
+         steps=4000),
+    Case("nesterov_adam_rms", grpo_optax.scale_by_nesterov_adam_rms,
+         dict(adam_weight=0.5), lr=0.02),
+    Case("nesterov_adam_rms_filtered", grpo_optax.scale_by_nesterov_adam_rms,
+         dict(adam_weight=0.7, nesterov=False, filter_decay=0.5), lr=0.02),
+]

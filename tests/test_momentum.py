@@ -1,0 +1,137 @@
+"""scale_by_nesterov_adam_rms: optax limit cases, NumPy reference, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import grpo_optax
+
+STEPS = 30
+
+
+def _grad_seq(steps=STEPS, seed=0):
+  rng = np.random.default_rng(seed)
+  return [{"w": rng.normal(size=(5, 3)).astype(np.float32) * (1 + i % 4),
+           "b": rng.normal(size=(3,)).astype(np.float32)}
+          for i in range(steps)]
+
+
+def _updates(tx, grads):
+  params = jax.tree.map(jnp.zeros_like, grads[0])
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  outs = []
+  for g in grads:
+    u, state = update(g, state, params)
+    outs.append(u)
+  return outs
+
+
+def _assert_trees_close(xs, ys, rtol):
+  for x, y in zip(xs, ys):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol,
+                                                         atol=1e-7), x, y)
+
+
+@pytest.mark.parametrize("eps_root", [0.0, 1e-8])
+def test_adam_limit(eps_root):
+  grads = _grad_seq()
+  ours = grpo_optax.scale_by_nesterov_adam_rms(
+      b1=0.8, b2=0.95, eps=1e-6, eps_root=eps_root, adam_weight=1.0,
+      nesterov=False)
+  ref = optax.scale_by_adam(b1=0.8, b2=0.95, eps=1e-6, eps_root=eps_root)
+  _assert_trees_close(_updates(ours, grads), _updates(ref, grads), 1e-5)
+
+
+def test_nadam_limit():
+  grads = _grad_seq()
+  ours = grpo_optax.scale_by_nesterov_adam_rms(adam_weight=1.0, nesterov=True)
+  ref = optax.nadam(learning_rate=-1.0)  # scale by +1: the raw NAdam direction
+  _assert_trees_close(_updates(ours, grads), _updates(ref, grads), 1e-5)
+
+
+def test_rmsprop_limit():
+  grads = _grad_seq()
+  for nesterov in (True, False):
+    ours = grpo_optax.scale_by_nesterov_adam_rms(
+        b2=0.9, eps=1e-7, adam_weight=0.0, nesterov=nesterov)
+    ref = optax.scale_by_rms(decay=0.9, eps=1e-7, eps_in_sqrt=False)
+    _assert_trees_close(_updates(ours, grads), _updates(ref, grads), 1e-5)
+
+
+def test_noise_filter_is_ema_then_adam():
+  grads = _grad_seq()
+  ours = grpo_optax.scale_by_nesterov_adam_rms(
+      adam_weight=1.0, nesterov=False, filter_decay=0.7)
+  ref = optax.chain(optax.ema(0.7, debias=True), optax.scale_by_adam())
+  _assert_trees_close(_updates(ours, grads), _updates(ref, grads), 1e-5)
+
+
+def _numpy_reference(grads, b1, b2, eps, eps_root, w, nesterov, fd):
+  f = m = v = None
+  outs = []
+  for t, g in enumerate(grads):
+    g = {k: x.astype(np.float64) for k, x in g.items()}
+    if f is None:
+      f = {k: np.zeros_like(x) for k, x in g.items()}
+      m = {k: np.zeros_like(x) for k, x in g.items()}
+      v = {k: np.zeros_like(x) for k, x in g.items()}
+    out = {}
+    for k in g:
+      gk = g[k]
+      if fd is not None:
+        f[k] = fd * f[k] + (1 - fd) * gk
+        gk = f[k] / (1 - fd ** (t + 1))
+      m[k] = b1 * m[k] + (1 - b1) * gk
+      v[k] = b2 * v[k] + (1 - b2) * gk ** 2
+      if nesterov:
+        m_hat = (b1 * m[k] / (1 - b1 ** (t + 2))
+                 + (1 - b1) * gk / (1 - b1 ** (t + 1)))
+      else:
+        m_hat = m[k] / (1 - b1 ** (t + 1))
+      v_hat = v[k] / (1 - b2 ** (t + 1))
+      adam = m_hat / (np.sqrt(v_hat + eps_root) + eps)
+      rms = gk / (np.sqrt(v[k]) + eps)
+      out[k] = w * adam + (1 - w) * rms
+    outs.append(out)
+  return outs
+
+
+@pytest.mark.parametrize("w,nesterov,fd", [(0.5, True, None), (0.3, False, 0.6),
+                                           (0.8, True, 0.9)])
+def test_matches_numpy_reference(w, nesterov, fd):
+  grads = _grad_seq()
+  kw = dict(b1=0.85, b2=0.97, eps=1e-6, eps_root=1e-9)
+  ours = grpo_optax.scale_by_nesterov_adam_rms(
+      adam_weight=w, nesterov=nesterov, filter_decay=fd, **kw)
+  ref = _numpy_reference(grads, kw["b1"], kw["b2"], kw["eps"], kw["eps_root"],
+                         w, nesterov, fd)
+  _assert_trees_close(_updates(ours, grads), ref, 2e-4)
+
+
+def test_mu_dtype():
+  tx = grpo_optax.scale_by_nesterov_adam_rms(mu_dtype=jnp.bfloat16)
+  params = {"w": jnp.ones(4)}
+  state = tx.init(params)
+  u, state = tx.update({"w": jnp.ones(4)}, state, params)
+  assert state.mu["w"].dtype == jnp.bfloat16
+  assert state.nu["w"].dtype == jnp.float32
+  assert u["w"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(b1=1.0), "b1"), (dict(b1=-0.1), "b1"), (dict(b2=1.0), "b2"),
+    (dict(b2=float("nan")), "b2"), (dict(eps=-1.0), "eps"),
+    (dict(eps_root=-1e-3), "eps_root"), (dict(adam_weight=1.5), "adam_weight"),
+    (dict(adam_weight=-0.1), "adam_weight"), (dict(filter_decay=1.0), "filter_decay"),
+])
+def test_bad_input(kwargs, name):
+  with pytest.raises(ValueError, match=name + r" must be in [\[(]"):
+    grpo_optax.scale_by_nesterov_adam_rms(**kwargs)
+
+
+def test_nesterov_must_be_bool():
+  with pytest.raises(TypeError, match="nesterov"):
+    grpo_optax.scale_by_nesterov_adam_rms(nesterov="yes")

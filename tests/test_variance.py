@@ -1,0 +1,137 @@
+"""scale_by_variance_lr: identity limit, NumPy reference, extra arg, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import grpo_optax
+
+
+def _seq(steps=30, seed=2):
+  rng = np.random.default_rng(seed)
+  return [{"w": (rng.normal(size=(4, 5)) * 2 + 0.5).astype(np.float32),
+           "b": rng.normal(size=(5,)).astype(np.float32),
+           "s": np.float32(rng.normal())} for _ in range(steps)]
+
+
+def _run(tx, grads, **extra):
+  params = jax.tree.map(jnp.zeros_like, grads[0])
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  outs = []
+  for g in grads:
+    u, state = update(g, state, params, **extra)
+    outs.append(u)
+  return outs, state
+
+
+def test_coef_zero_is_identity():
+  grads = _seq()
+  outs, _ = _run(grpo_optax.scale_by_variance_lr(coef=0.0), grads)
+  for u, g in zip(outs, grads):
+    jax.tree.map(np.testing.assert_array_equal, u, g)
+
+
+def _numpy_reference(grads, coef, d, eps, reduction, normalize):
+  mu = nu = None
+  outs, variances = [], []
+  for t, g in enumerate(grads):
+    g = {k: np.asarray(x, np.float64) for k, x in g.items()}
+    if mu is None:
+      mu = {k: np.zeros_like(x) for k, x in g.items()}
+      nu = {k: np.zeros_like(x) for k, x in g.items()}
+    bc = 1 - d ** (t + 1)
+    var, nuh = {}, {}
+    for k in g:
+      mu[k] = d * mu[k] + (1 - d) * g[k]
+      nu[k] = d * nu[k] + (1 - d) * g[k] ** 2
+      var[k] = np.maximum(nu[k] / bc - (mu[k] / bc) ** 2, 0)
+      nuh[k] = nu[k] / bc
+    if reduction == "leaf":
+      var = {k: np.mean(v) for k, v in var.items()}
+      nuh = {k: np.mean(v) for k, v in nuh.items()}
+    elif reduction == "global":
+      n = sum(v.size for v in var.values())
+      gv = sum(np.sum(v) for v in var.values()) / n
+      gn = sum(np.sum(v) for v in nuh.values()) / n
+      var = {k: gv for k in var}
+      nuh = {k: gn for k in nuh}
+    if normalize:
+      var = {k: var[k] / (nuh[k] + eps) for k in var}
+    outs.append({k: g[k] / (1 + coef * var[k]) for k in g})
+    variances.append(var)
+  return outs
+
+
+@pytest.mark.parametrize("reduction", ["element", "leaf", "global"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_matches_numpy_reference(reduction, normalize):
+  grads = _seq()
+  tx = grpo_optax.scale_by_variance_lr(coef=0.7, decay=0.9, eps=1e-8,
+                                       reduction=reduction, normalize=normalize)
+  outs, state = _run(tx, grads)
+  ref = _numpy_reference(grads, 0.7, 0.9, 1e-8, reduction, normalize)
+  for u, r in zip(outs, ref):
+    for k in r:
+      np.testing.assert_allclose(u[k], r[k], rtol=2e-4, atol=1e-7)
+  assert 0.0 < float(state.lr_scale) < 1.0
+  assert float(state.variance) > 0.0
+
+
+def test_grad_variance_extra_arg_replaces_estimate():
+  grads = _seq(3)
+  gv = {"w": np.full((4, 5), 2.0, np.float32), "b": np.zeros(5, np.float32),
+        "s": np.float32(4.0)}
+  tx = grpo_optax.scale_by_variance_lr(coef=0.5, reduction="element")
+  outs, _ = _run(tx, grads, grad_variance=gv)
+  for u, g in zip(outs, grads):
+    np.testing.assert_allclose(u["w"], g["w"] / 2.0, rtol=1e-6)
+    np.testing.assert_allclose(u["b"], g["b"], rtol=1e-6)
+    np.testing.assert_allclose(u["s"], g["s"] / 3.0, rtol=1e-6)
+
+
+def test_grad_variance_structure_mismatch():
+  tx = grpo_optax.scale_by_variance_lr()
+  g = {"w": jnp.ones(3)}
+  with pytest.raises(ValueError, match="grad_variance"):
+    tx.update(g, tx.init(g), grad_variance={"v": jnp.ones(3)})
+
+
+def test_high_variance_shrinks_low_variance_keeps():
+  rng = np.random.default_rng(0)
+  tx = grpo_optax.scale_by_variance_lr(coef=0.1, decay=0.9)
+  noisy = [{"a": rng.normal(size=100).astype(np.float32) * 10,
+            "b": np.full(100, 10.0, np.float32)} for _ in range(50)]
+  outs, _ = _run(tx, noisy)
+  last = outs[-1]
+  np.testing.assert_allclose(last["b"], noisy[-1]["b"], rtol=1e-5)  # no variance
+  ratio = np.abs(last["a"]).sum() / np.abs(noisy[-1]["a"]).sum()
+  assert ratio < 0.2  # variance ~100: rate ~1/11
+
+
+def test_nan_gradient_is_reported_not_hidden():
+  tx = grpo_optax.scale_by_variance_lr()
+  g = {"w": jnp.array([1.0, jnp.nan])}
+  u, state = tx.update(g, tx.init(g))
+  assert bool(jnp.isnan(u["w"]).any())
+  assert bool(jnp.isnan(state.variance))
+  safe = optax.apply_if_finite(tx, max_consecutive_errors=2)
+  s = safe.init(g)
+  u, s = safe.update(g, s)
+  np.testing.assert_array_equal(u["w"], np.zeros(2))
+  jax.tree.map(np.testing.assert_array_equal, s.inner_state, tx.init(g))
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(coef=-0.1), "coef"), (dict(decay=1.0), "decay"),
+    (dict(decay=-0.5), "decay"), (dict(eps=-1.0), "eps")])
+def test_bad_input(kwargs, name):
+  with pytest.raises(ValueError, match=name + r" must be in"):
+    grpo_optax.scale_by_variance_lr(**kwargs)
+
+
+def test_unknown_reduction():
+  with pytest.raises(ValueError, match="reduction must be one of"):
+    grpo_optax.scale_by_variance_lr(reduction="mean")
