@@ -2,17 +2,35 @@
 
 Each seed mechanism of the two source articles lives in one module:
 
-* :mod:`grpo_optax.variance` -- variance-based dynamic learning rate.
-* :mod:`grpo_optax.momentum` -- noise filter + Nesterov + Adam/RMSProp mix.
-* :mod:`grpo_optax.clipping` -- global-norm clipping with coupled L2.
+* :mod:`grpo_optax.variance` -- variance-based dynamic learning rate (1).
+* :mod:`grpo_optax.importance` -- Taylor importance weighting (2).
+* :mod:`grpo_optax.sparsify` -- top-k and EMA-threshold masks (3, 4).
+* :mod:`grpo_optax.momentum` -- noise filter + Nesterov + Adam/RMSProp (5).
+* :mod:`grpo_optax.clipping` -- global-norm clipping with coupled L2 (6).
+* :mod:`grpo_optax.freezing` -- dynamic freezing (9).
 * :mod:`grpo_optax.presets` -- the :func:`grpo` chain.
+* :mod:`grpo_optax.diagnostics` -- :func:`metrics` and friends.
+* :mod:`grpo_optax.training` -- program changes: hierarchical gradients (7),
+  immediate updates (8), freezing that skips compute (9).
 """
 
 from grpo_optax.clipping import ClipWithL2State
 from grpo_optax.clipping import clip_with_l2
+from grpo_optax.diagnostics import frozen_mask
+from grpo_optax.diagnostics import importance_converged
+from grpo_optax.diagnostics import metrics
+from grpo_optax.freezing import FreezeBelowState
+from grpo_optax.freezing import freeze_below
+from grpo_optax.importance import ScaleByImportanceState
+from grpo_optax.importance import per_head
+from grpo_optax.importance import scale_by_importance
 from grpo_optax.momentum import ScaleByNesterovAdamRmsState
 from grpo_optax.momentum import scale_by_nesterov_adam_rms
 from grpo_optax.presets import grpo
+from grpo_optax.sparsify import EmaThresholdMaskState
+from grpo_optax.sparsify import TopKMaskState
+from grpo_optax.sparsify import ema_threshold_mask
+from grpo_optax.sparsify import top_k_mask
 from grpo_optax.variance import ScaleByVarianceLrState
 from grpo_optax.variance import scale_by_variance_lr
 
@@ -20,10 +38,22 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ClipWithL2State",
+    "EmaThresholdMaskState",
+    "FreezeBelowState",
+    "ScaleByImportanceState",
     "ScaleByNesterovAdamRmsState",
     "ScaleByVarianceLrState",
+    "TopKMaskState",
     "clip_with_l2",
+    "ema_threshold_mask",
+    "freeze_below",
+    "frozen_mask",
     "grpo",
+    "importance_converged",
+    "metrics",
+    "per_head",
+    "scale_by_importance",
     "scale_by_nesterov_adam_rms",
     "scale_by_variance_lr",
+    "top_k_mask",
 ]

@@ -56,6 +56,12 @@ def _then_sgd(tx, lr):
   return optax.chain(tx, optax.sgd(lr, momentum=0.9))
 
 
+def _then_adam(tx, lr):
+  # Masks with error feedback release the accumulated residual in bursts; on
+  # Rosenbrock's stiff valley an adaptive step keeps those bounded.
+  return optax.chain(tx, optax.adam(lr))
+
+
 CASES: list[Case] = [
     Case("clip_with_l2", grpo_optax.clip_with_l2,
          dict(max_norm=1.0, l2=1e-4), lr=2e-3, optimizer=_then_sgd,
@@ -75,4 +81,32 @@ CASES: list[Case] = [
          dict(adam_weight=0.5), lr=0.02),
     Case("nesterov_adam_rms_filtered", grpo_optax.scale_by_nesterov_adam_rms,
          dict(adam_weight=0.7, nesterov=False, filter_decay=0.5), lr=0.02),
+    Case("importance_order2", grpo_optax.scale_by_importance, dict(),
+         lr=8e-4, optimizer=_then_sgd, steps=4000),
+    Case("importance_order1", grpo_optax.scale_by_importance,
+         dict(order=1, decay=0.5, min_weight=0.5, max_weight=2.0), lr=2e-3,
+         optimizer=_then_sgd, steps=4000),
+    Case("topk_exact", grpo_optax.top_k_mask, dict(fraction=0.5), lr=1e-2,
+         optimizer=_then_adam, steps=4000),
+    Case("topk_sampled_freq_warmup", grpo_optax.top_k_mask,
+         dict(fraction=0.3, method="sampled", frequency_weight=0.3,
+              warmup_steps=5, min_size=9), lr=1e-2, optimizer=_then_adam,
+         steps=4000),
+    Case("topk_no_feedback", grpo_optax.top_k_mask,
+         dict(fraction=0.7, error_feedback=False), lr=1e-2,
+         optimizer=_then_adam, steps=4000),
+    Case("ema_threshold", grpo_optax.ema_threshold_mask, dict(every=3),
+         lr=1e-3, optimizer=_then_sgd, steps=4000),
+    Case("freeze_below", grpo_optax.freeze_below,
+         dict(threshold=0.3, warmup_steps=2), lr=2e-3, optimizer=_then_sgd,
+         steps=4000),
+    Case("grpo_topk", grpo_optax.grpo, dict(learning_rate=0.02),
+         optimizer=lambda tx, lr: tx),
+    Case("grpo_threshold", grpo_optax.grpo,
+         dict(learning_rate=0.02, sparsify="threshold", every=10),
+         optimizer=lambda tx, lr: tx),
+    Case("grpo_dense_freeze", grpo_optax.grpo,
+         dict(learning_rate=0.02, sparsify=None, freeze_threshold=0.05,
+              freeze_warmup_steps=10, filter_decay=0.5),
+         optimizer=lambda tx, lr: tx),
 ]

@@ -1,0 +1,120 @@
+"""Dynamic parameter freezing (seed mechanism 9, the transform half).
+
+Article 004 §3.2 sets ``layer.trainable = False`` for layers whose importance
+score falls below a threshold. As a gradient transformation this zeroes the
+updates of unimportant leaves for good; :func:`frozen_mask` exposes the
+decision so that a training step can also stop computing those gradients
+(``grpo_optax.training.frozen_step``), which is where compute is saved.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from grpo_optax import _common
+
+
+class FreezeBelowState(NamedTuple):
+  """State of :func:`freeze_below`.
+
+  ``importance`` and ``frozen`` hold one scalar per parameter leaf, in the
+  params' tree structure (so ``optax.tree.map_params`` sees them as
+  param-shaped trees: when mapping sharding specs, give scalars ``P()``).
+  """
+
+  count: jax.Array  # shape=(), dtype=int32
+  importance: Any  # per-leaf float32 scalars: EMA of mean |g * p|
+  frozen: Any  # per-leaf bool scalars
+
+
+def freeze_below(
+    threshold: float = 0.3,
+    decay: float = 0.9,
+    warmup_steps: int = 100,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Freezes leaves whose normalised importance stays below a threshold.
+
+  Per leaf ``l`` with ``t`` the count before the step:
+
+  .. math::
+    I_l \leftarrow d I_l + (1-d)\operatorname{mean}|g_l \odot p_l|, \qquad
+    \tilde I_l = \frac{I_l}{\operatorname{mean}_{l' \text{ not frozen}} I_{l'} + 10^{-30}}
+
+  Once ``t >= warmup_steps``, a leaf with :math:`\tilde I_l <` ``threshold``
+  becomes frozen, and a frozen leaf stays frozen: its updates are exactly 0
+  from then on, whatever its gradient does. Put this transform last in a chain
+  (after momentum), otherwise later stateful transforms can still move a
+  frozen leaf.
+
+  Args:
+    threshold: freezing threshold on the normalised importance, >= 0
+      (article: start at 0.3, raise towards 0.5).
+    decay: EMA decay ``d`` in [0, 1).
+    warmup_steps: steps before any leaf may freeze, int >= 0.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; its update needs ``params``.
+
+  Examples:
+    >>> import jax.numpy as jnp, grpo_optax
+    >>> tx = grpo_optax.freeze_below(threshold=0.3, warmup_steps=0)
+    >>> params = {"big": jnp.ones(3), "tiny": jnp.full(3, 1e-3)}
+    >>> g = {"big": jnp.ones(3), "tiny": jnp.ones(3)}
+    >>> out, state = tx.update(g, tx.init(params), params)
+    >>> grpo_optax.frozen_mask(state)
+    {'big': Array(False, dtype=bool), 'tiny': Array(True, dtype=bool)}
+
+  References:
+    Brock et al., `FreezeOut: Accelerate Training by Progressively Freezing
+    Layers <https://arxiv.org/abs/1706.04983>`_, 2017.
+    Liu et al., `AutoFreeze: Automatically Freezing Model Blocks to Accelerate
+    Fine-tuning <https://arxiv.org/abs/2102.01386>`_, 2021.
+  """
+  _common.check_range("threshold", threshold, 0.0)
+  _common.check_range("decay", decay, 0.0, 1.0, high_inclusive=False)
+  v = _common.concrete_value(warmup_steps)
+  if v is not None and (v != int(v) or v < 0):
+    raise ValueError(f"warmup_steps must be an int >= 0; got {warmup_steps!r}")
+  threshold = _common.f32(threshold)
+  decay = _common.f32(decay)
+
+  def init_fn(params):
+    return FreezeBelowState(
+        count=jnp.zeros([], jnp.int32),
+        importance=jax.tree.map(lambda _: jnp.zeros([], jnp.float32), params),
+        frozen=jax.tree.map(lambda _: jnp.zeros([], bool), params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    _common.require_params(params, "freeze_below",
+                           "(importance is mean |g * p| per leaf)")
+    _common.check_same_structure("params", params, updates, "freeze_below")
+    t = state.count
+    leaves, treedef = jax.tree.flatten(updates)
+    p_leaves = treedef.flatten_up_to(params)
+    imp = treedef.flatten_up_to(state.importance)
+    frozen = treedef.flatten_up_to(state.frozen)
+    bc = _common.bias_correction(decay, optax.safe_increment(t))
+    new_imp = [decay * i + (1 - decay) * _common.mean32(
+        jnp.abs(g.astype(jnp.float32) * p.astype(jnp.float32)))
+               for g, p, i in zip(leaves, p_leaves, imp)]
+    # Mean over the leaves that are still trainable: a frozen leaf's gradient
+    # may no longer be computed (frozen_step), so it must not drag the mean.
+    active = [jnp.logical_not(f).astype(jnp.float32) for f in frozen]
+    mean_imp = (sum((i / bc * a for i, a in zip(new_imp, active)),
+                    jnp.zeros((), jnp.float32))
+                / jnp.maximum(sum(active, jnp.zeros((), jnp.float32)), 1.0))
+    may_freeze = t >= jnp.asarray(warmup_steps, t.dtype)
+    new_frozen = [f | (may_freeze & ((i / bc) / (mean_imp + 1e-30) < threshold))
+                  for f, i in zip(frozen, new_imp)]
+    outs = [jnp.where(f, jnp.zeros_like(g), g) for g, f in zip(leaves, new_frozen)]
+    return treedef.unflatten(outs), FreezeBelowState(
+        count=optax.safe_increment(t),
+        importance=treedef.unflatten([i.astype(jnp.float32) for i in new_imp]),
+        frozen=treedef.unflatten(new_frozen))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

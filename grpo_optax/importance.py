@@ -1,0 +1,230 @@
+"""Importance weighting by Taylor expansion (seed mechanism 2).
+
+Article 004 §1.1 and §2.1 weight each parameter's update by its contribution to
+the loss, estimated with a second-order Taylor expansion whose Hessian is
+approximated by its diagonal, and weight attention heads by the entropy of
+their attention. This module pins that as a per-element weight built from the
+first- and second-order terms of the loss change caused by removing the
+parameter (Molchanov et al., 2019).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from grpo_optax import _common
+
+
+class ScaleByImportanceState(NamedTuple):
+  """State of :func:`scale_by_importance`."""
+
+  count: jax.Array  # shape=(), dtype=int32
+  hessian: Optional[optax.Updates]  # EMA of g**2 (Fisher diagonal); None if order 1
+  score: optax.Updates  # EMA of the Taylor score s
+  weight_mean: jax.Array  # shape=(), float32: mean weight over all elements
+  weight_std: jax.Array  # shape=(), float32: std of the weights
+  score_std: jax.Array  # shape=(), float32: std of S/mean(S) over all elements
+
+
+def per_head(entropy: jax.Array, axis: int, ndim: int) -> jax.Array:
+  """Reshapes a vector of per-head entropies to broadcast along ``axis``.
+
+  Args:
+    entropy: shape ``(num_heads,)``.
+    axis: the head axis of the parameter (negative values count from the end).
+    ndim: the parameter's number of dimensions.
+
+  Returns:
+    ``entropy`` with shape ``(1, ..., num_heads, ..., 1)``, ready to be a leaf
+    of the ``head_entropy`` extra argument of :func:`scale_by_importance`.
+  """
+  entropy = jnp.asarray(entropy)
+  if entropy.ndim != 1:
+    raise ValueError(f"entropy must be a vector, got shape {entropy.shape}")
+  if not -ndim <= axis < ndim:
+    raise ValueError(f"axis must be in [{-ndim}, {ndim}); got {axis}")
+  shape = [1] * ndim
+  shape[axis % ndim] = entropy.shape[0]
+  return entropy.reshape(shape)
+
+
+def _static_order(order: Any) -> Optional[int]:
+  v = _common.concrete_value(order)
+  if v is None:
+    return None
+  if v not in (1.0, 2.0):
+    raise ValueError(f"order must be in {{1, 2}}; got {order!r}")
+  return int(v)
+
+
+def scale_by_importance(
+    order: int = 2,
+    decay: float = 0.9,
+    min_weight: float = 0.1,
+    max_weight: float = 10.0,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Weights each update element by its Taylor importance.
+
+  Removing parameter :math:`p` changes the loss by about
+  :math:`-g p + \tfrac12 H_{pp} p^2` (first- and second-order Taylor terms with
+  a diagonal Hessian). With ``d = decay`` and ``t`` the count before the step:
+
+  .. math::
+    h_t = d h_{t-1} + (1-d) g^2,\quad \hat h = h_t / (1-d^{t+1})
+    \quad\text{(Fisher diagonal, or the ``hessian_diag`` extra arg)}
+
+    s = |g p| + [\text{order}=2]\,\tfrac12 \hat h p^2,\quad
+    S_t = d S_{t-1} + (1-d) s,\quad \hat S = S_t/(1-d^{t+1})
+
+    w = \operatorname{clip}\!\big(\hat S / (\operatorname{mean}_{leaf}\hat S
+        + 10^{-12}),\ w_{min},\ w_{max}\big),\qquad \text{out} = g\,w
+
+  The mean is over each leaf, so weights redistribute the step inside a tensor
+  (mean weight about 1) without changing the overall scale between tensors.
+
+  Extra arguments (keyword, optional):
+
+  * ``hessian_diag``: a tree like the updates with a diagonal-Hessian estimate
+    (e.g. Hutchinson's or Gauss-Newton-Bartlett's, as Sophia computes them); it
+    replaces :math:`\hat h` and the Fisher EMA is left untouched.
+  * ``head_entropy``: a tree with the updates' structure whose leaves are
+    ``None`` (no head weighting) or per-head attention entropies that broadcast
+    against the leaf (see :func:`per_head`); that leaf's weights are multiplied
+    by ``entropy / mean(entropy)``.
+
+  The state keeps the mean and standard deviation of the weights and the
+  standard deviation of the normalised score :math:`\hat S/\operatorname{mean}\hat S`
+  (the article's early-stop signal, see :func:`grpo_optax.importance_converged`).
+
+  Args:
+    order: 1 (first-order term only, no Hessian state) or 2.
+    decay: EMA decay ``d`` in [0, 1).
+    min_weight: lower clip of the weights, >= 0.
+    max_weight: upper clip of the weights, >= ``min_weight``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; its update needs ``params``.
+
+  Examples:
+    >>> import jax.numpy as jnp, grpo_optax
+    >>> tx = grpo_optax.scale_by_importance()
+    >>> params = {"w": jnp.array([0.0, 1.0, 2.0])}
+    >>> g = {"w": jnp.ones(3)}
+    >>> out, _ = tx.update(g, tx.init(params), params)
+    >>> [round(float(x), 2) for x in out["w"]]
+    [0.1, 0.82, 2.18]
+
+  References:
+    Molchanov et al., `Importance Estimation for Neural Network Pruning
+    <https://arxiv.org/abs/1906.10771>`_, CVPR 2019.
+    Liu et al., `Sophia: A Scalable Stochastic Second-order Optimizer
+    <https://arxiv.org/abs/2305.14342>`_, 2023.
+    Michel et al., `Are Sixteen Heads Really Better than One?
+    <https://arxiv.org/abs/1905.10650>`_, 2019.
+  """
+  static_order = _static_order(order)
+  _common.check_range("decay", decay, 0.0, 1.0, high_inclusive=False)
+  _common.check_range("min_weight", min_weight, 0.0)
+  _common.check_range("max_weight", max_weight, 0.0)
+  lo, hi = _common.concrete_value(min_weight), _common.concrete_value(max_weight)
+  if lo is not None and hi is not None and hi < lo:
+    raise ValueError(
+        f"max_weight must be >= min_weight; got {max_weight!r} < {min_weight!r}")
+  decay = _common.f32(decay)
+  min_weight = _common.f32(min_weight)
+  max_weight = _common.f32(max_weight)
+
+  def init_fn(params):
+    return ScaleByImportanceState(
+        count=jnp.zeros([], jnp.int32),
+        hessian=None if static_order == 1 else optax.tree.zeros_like(params),
+        score=optax.tree.zeros_like(params),
+        weight_mean=jnp.ones([], jnp.float32),
+        weight_std=jnp.zeros([], jnp.float32),
+        score_std=jnp.zeros([], jnp.float32))
+
+  def update_fn(updates, state, params=None, *, hessian_diag=None,
+                head_entropy=None, **extra_args):
+    del extra_args
+    _common.require_params(params, "scale_by_importance",
+                           "(the Taylor score is |g * p| + h p^2 / 2)")
+    _common.check_same_structure("params", params, updates,
+                                 "scale_by_importance")
+    if hessian_diag is not None:
+      _common.check_same_structure("hessian_diag", hessian_diag, updates,
+                                   "scale_by_importance")
+    count_inc = optax.safe_increment(state.count)
+    bc = _common.bias_correction(decay, count_inc)
+    second = state.hessian is not None
+    # With a traced `order` (inject_hyperparams) the state still has `hessian`.
+    use_second = (jnp.asarray(order) == 2).astype(jnp.float32) if (
+        static_order is None) else 1.0
+
+    g_leaves, treedef = jax.tree.flatten(updates)
+    p_leaves = treedef.flatten_up_to(params)
+    s_leaves = treedef.flatten_up_to(state.score)
+    h_leaves = treedef.flatten_up_to(state.hessian) if second else [None] * len(
+        g_leaves)
+    hd_leaves = (treedef.flatten_up_to(hessian_diag) if hessian_diag is not None
+                 else [None] * len(g_leaves))
+    if head_entropy is not None:
+      try:
+        ent_leaves = treedef.flatten_up_to(head_entropy)
+      except (ValueError, TypeError) as e:
+        raise ValueError(
+            "scale_by_importance: `head_entropy` must have the updates' tree"
+            f" structure with None for unweighted leaves: {e}") from None
+    else:
+      ent_leaves = [None] * len(g_leaves)
+
+    new_h, new_s, outs = [], [], []
+    w_sum = jnp.zeros((), jnp.float32)
+    w_sq = jnp.zeros((), jnp.float32)
+    r_sum = jnp.zeros((), jnp.float32)
+    r_sq = jnp.zeros((), jnp.float32)
+    total = 0
+    for g, p, s_old, h_old, hd, ent in zip(g_leaves, p_leaves, s_leaves,
+                                          h_leaves, hd_leaves, ent_leaves):
+      g32 = g.astype(jnp.float32)
+      p32 = p.astype(jnp.float32)
+      score = jnp.abs(g32 * p32)
+      if second:
+        if hd is None:
+          h = decay * h_old.astype(jnp.float32) + (1 - decay) * g32 * g32
+          new_h.append(h.astype(h_old.dtype))
+          h_hat = h / bc
+        else:
+          new_h.append(h_old)
+          h_hat = jnp.asarray(hd, jnp.float32)
+        score = score + use_second * 0.5 * h_hat * p32 * p32
+      s = decay * s_old.astype(jnp.float32) + (1 - decay) * score
+      new_s.append(s.astype(s_old.dtype))
+      s_hat = s / bc
+      ratio = s_hat / (_common.mean32(s_hat) + 1e-12)
+      w = jnp.clip(ratio, min_weight, max_weight)
+      if ent is not None:
+        ent = jnp.asarray(ent, jnp.float32)
+        w = w * (ent / (jnp.mean(ent) + 1e-12))
+      outs.append((g32 * w).astype(g.dtype))
+      w_sum += jnp.sum(w)
+      w_sq += jnp.sum(w * w)
+      r_sum += jnp.sum(ratio)
+      r_sq += jnp.sum(ratio * ratio)
+      total += g.size
+    n = max(total, 1)
+    w_mean = w_sum / n
+    new_state = ScaleByImportanceState(
+        count=count_inc,
+        hessian=treedef.unflatten(new_h) if second else None,
+        score=treedef.unflatten(new_s),
+        weight_mean=(w_mean if total else jnp.ones([])).astype(jnp.float32),
+        weight_std=jnp.sqrt(jnp.maximum(w_sq / n - w_mean ** 2, 0.0)),
+        score_std=jnp.sqrt(jnp.maximum(r_sq / n - (r_sum / n) ** 2, 0.0)))
+    return treedef.unflatten(outs), new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+

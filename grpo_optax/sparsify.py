@@ -1,0 +1,365 @@
+"""Top-k and EMA-threshold gradient masking with error feedback (mechanisms 3, 4).
+
+Article 004 §1.2 and §2.2 update only a subset of the parameters: the top 30%
+by a score mixing the gradient's magnitude and the parameter's update history
+("adaptive sampling"), with a threshold re-estimated every 100 steps as an EMA
+of the mean gradient magnitude. Both are pinned here as masks with error
+feedback (the masked-out part is carried to the next step, so nothing is lost),
+computed per leaf: the whole model is never concatenated or sorted at once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from grpo_optax import _common
+
+METHODS = ("exact", "sampled")
+_MIN_SAMPLE = 1024  # floor on the sample size of the sampled threshold
+_SAMPLE_RATE = 0.01  # fraction of a leaf sampled (Deep Gradient Compression)
+_BISECTION_STEPS = 24
+
+
+class TopKMaskState(NamedTuple):
+  """State of :func:`top_k_mask`."""
+
+  count: jax.Array  # shape=(), dtype=int32
+  residual: Optional[optax.Updates]  # error-feedback memory; None when off
+  frequency: Optional[optax.Updates]  # EMA of the kept indicator; None when off
+  key: jax.Array  # shape=(2,), dtype=uint32: PRNG key of the sampled threshold
+  kept_fraction: jax.Array  # shape=(), float32: kept / total at the last step
+
+
+class EmaThresholdMaskState(NamedTuple):
+  """State of :func:`ema_threshold_mask`."""
+
+  count: jax.Array  # shape=(), dtype=int32
+  residual: Optional[optax.Updates]  # error-feedback memory; None when off
+  tau: jax.Array  # shape=(num_leaves,), float32: per-leaf thresholds
+  kept_fraction: jax.Array  # shape=(), float32: kept / total at the last step
+
+
+def _static_int(name, value, low):
+  v = _common.concrete_value(value)
+  if v is None:
+    return None
+  if v != int(v) or v < low:
+    raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
+  return int(v)
+
+
+def _sample_size(n: int) -> int:
+  return min(n, max(_MIN_SAMPLE, math.ceil(_SAMPLE_RATE * n)))
+
+
+def sampled_threshold(score: jax.Array, fraction, key: jax.Array) -> jax.Array:
+  """Estimates the ``1 - fraction`` quantile of ``score`` from a sample.
+
+  Draws ``max(1024, 1% of n)`` entries (all of them for small leaves) and
+  bisects 24 times on the sample for the value above which ``fraction`` of it
+  lies: O(n) work, no sort.
+
+  Args:
+    score: a flat array of scores.
+    fraction: the fraction to keep, in (0, 1].
+    key: a PRNG key (``uint32[2]``).
+
+  Returns:
+    A scalar threshold; ``score >= threshold`` keeps about ``fraction`` of it.
+  """
+  n = score.shape[0]
+  m = _sample_size(n)
+  if m == n:
+    sample = score
+  else:
+    idx = jax.random.randint(key, (m,), 0, n)
+    sample = score[idx]
+  lo = jnp.min(sample)
+  hi = jnp.max(sample)
+  target = fraction * m
+
+  def body(_, bounds):
+    lo, hi = bounds
+    mid = 0.5 * (lo + hi)
+    keeps_enough = jnp.sum(sample >= mid) >= target
+    return jnp.where(keeps_enough, mid, lo), jnp.where(keeps_enough, hi, mid)
+
+  lo, _ = jax.lax.fori_loop(0, _BISECTION_STEPS, body, (lo, hi))
+  return lo
+
+
+def _exact_mask(score: jax.Array, fraction, static_k: Optional[int]):
+  """Boolean mask of the ``k = ceil(fraction * n)`` largest scores (exactly k)."""
+  n = score.shape[0]
+  if static_k is not None:
+    _, idx = jax.lax.top_k(score, static_k)
+    return jnp.zeros((n,), bool).at[idx].set(True)
+  k = jnp.ceil(fraction * n).astype(jnp.int32)
+  order = jnp.argsort(-score, stable=True)
+  ranks = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+  return ranks < k
+
+
+def top_k_mask(
+    fraction: float = 0.3,
+    error_feedback: bool = True,
+    method: str = "exact",
+    frequency_weight: float = 0.0,
+    min_size: int = 0,
+    warmup_steps: int = 0,
+    *,
+    frequency_decay: float = 0.9,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Keeps the largest ``fraction`` of each leaf's entries, with error feedback.
+
+  Per leaf of ``n`` entries, with ``r`` the error-feedback residual (zero when
+  ``error_feedback=False``):
+
+  .. math::
+    a = g + r,\qquad \text{score} = |a| \;\text{ or, with } b > 0,\;
+    (1-b)\,|a|/\operatorname{mean}|a| - b f
+
+    \text{out} = a \odot \text{keep},\qquad r \leftarrow a - \text{out}
+
+  where ``keep`` marks the ``k = ceil(fraction * n)`` largest scores
+  (``method="exact"``: exactly ``k``, ties broken by position, via
+  ``lax.top_k``, which sorts the leaf) or the scores above a threshold
+  estimated from a random sample of ``max(1024, n/100)`` entries by bisection
+  (``method="sampled"``: O(n), keeps about ``k``; the key lives in the state).
+  ``f`` is the EMA (decay ``frequency_decay``) of the kept indicator, so with
+  ``frequency_weight = b > 0`` entries updated often yield to rarely updated
+  ones (the article's "update frequency" term).
+
+  With error feedback nothing is lost: ``sum_t out_t + r_T == sum_t g_t``.
+  Leaves with ``n < min_size`` pass dense. During the first ``warmup_steps``
+  steps the kept fraction ramps exponentially from 1 to ``fraction``,
+  ``fraction ** (t / warmup_steps)`` (Deep Gradient Compression's sparsity
+  warm-up).
+
+  Args:
+    fraction: kept fraction, in (0, 1].
+    error_feedback: carry the masked-out part to the next step.
+    method: ``"exact"`` or ``"sampled"``.
+    frequency_weight: ``b`` in [0, 1].
+    min_size: leaves smaller than this pass dense, int >= 0.
+    warmup_steps: length of the sparsity warm-up, int >= 0.
+    frequency_decay: EMA decay of the kept indicator, in [0, 1).
+    seed: seed of the sampling key.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Examples:
+    >>> import jax.numpy as jnp, grpo_optax
+    >>> tx = grpo_optax.top_k_mask(fraction=0.5)
+    >>> g = {"w": jnp.array([0.1, -3.0, 2.0, 0.5])}
+    >>> out, state = tx.update(g, tx.init(g))
+    >>> out["w"], state.residual["w"]
+    (Array([ 0., -3.,  2.,  0.], dtype=float32), Array([0.1, 0. , 0. , 0.5], dtype=float32))
+
+  References:
+    Lin et al., `Deep Gradient Compression
+    <https://arxiv.org/abs/1712.01887>`_, ICLR 2018.
+    Stich et al., `Sparsified SGD with Memory
+    <https://arxiv.org/abs/1809.07599>`_, NeurIPS 2018.
+    Karimireddy et al., `Error Feedback Fixes SignSGD
+    <https://arxiv.org/abs/1901.09847>`_, ICML 2019.
+  """
+  _common.check_range("fraction", fraction, 0.0, 1.0, low_inclusive=False)
+  _common.check_choice("method", method, METHODS)
+  _common.check_range("frequency_weight", frequency_weight, 0.0, 1.0)
+  _common.check_range("frequency_decay", frequency_decay, 0.0, 1.0,
+                      high_inclusive=False)
+  static_min_size = _static_int("min_size", min_size, 0)
+  static_warmup = _static_int("warmup_steps", warmup_steps, 0)
+  _static_int("seed", seed, 0)
+  if not isinstance(error_feedback, bool):
+    raise TypeError("error_feedback must be a bool")
+  static_fraction = _common.concrete_value(fraction)
+  use_frequency = not _common.is_static_zero(frequency_weight)
+  fraction = _common.f32(fraction)
+  frequency_weight = _common.f32(frequency_weight)
+  frequency_decay = _common.f32(frequency_decay)
+
+  def init_fn(params):
+    return TopKMaskState(
+        count=jnp.zeros([], jnp.int32),
+        residual=optax.tree.zeros_like(params) if error_feedback else None,
+        frequency=(optax.tree.zeros_like(params, dtype=jnp.float32)
+                   if use_frequency else None),
+        key=jax.random.PRNGKey(seed),
+        kept_fraction=jnp.ones([], jnp.float32))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    use_frequency = state.frequency is not None
+    t = state.count
+    if static_warmup == 0:
+      frac = fraction
+    else:
+      w = jnp.maximum(jnp.asarray(warmup_steps, jnp.float32), 1.0)
+      frac = jnp.asarray(fraction, jnp.float32) ** (
+          jnp.minimum(t.astype(jnp.float32), w) / w)
+      if static_warmup is None:  # traced warmup_steps: 0 means no warm-up
+        frac = jnp.where(jnp.asarray(warmup_steps) > 0, frac, fraction)
+    dynamic_frac = static_warmup != 0 or static_fraction is None
+
+    leaves, treedef = jax.tree.flatten(updates)
+    res = (treedef.flatten_up_to(state.residual) if error_feedback
+           else [None] * len(leaves))
+    freq = (treedef.flatten_up_to(state.frequency) if use_frequency
+            else [None] * len(leaves))
+    key, *keys = jax.random.split(state.key, len(leaves) + 1)
+
+    outs, new_res, new_freq = [], [], []
+    kept = jnp.zeros((), jnp.float32)
+    total = 0
+    for g, r, f, k in zip(leaves, res, freq, keys):
+      n = g.size
+      total += n
+      a = g if r is None else (g + r).astype(g.dtype)
+      if n == 0 or (static_min_size is not None and n < static_min_size):
+        keep = jnp.ones(g.shape, bool)
+      else:
+        flat = a.reshape(-1)
+        score = jnp.abs(flat).astype(jnp.float32)
+        if use_frequency:
+          score = ((1 - frequency_weight) * score / (jnp.mean(score) + 1e-30)
+                   - frequency_weight * f.reshape(-1))
+        if method == "exact":
+          static_k = None if dynamic_frac else math.ceil(static_fraction * n)
+          keep = _exact_mask(score, frac, static_k)
+        else:
+          keep = score >= sampled_threshold(score, frac, k)
+        keep = keep.reshape(g.shape)
+        if static_min_size is None:  # traced min_size
+          keep = keep | (n < jnp.asarray(min_size))
+      out = jnp.where(keep, a, jnp.zeros_like(a))
+      outs.append(out)
+      if r is not None:
+        new_res.append(jnp.where(keep, jnp.zeros_like(a), a).astype(r.dtype))
+      if f is not None:
+        new_freq.append(frequency_decay * f + (1 - frequency_decay) * keep)
+      kept = kept + jnp.sum(keep, dtype=jnp.float32)
+
+    new_state = TopKMaskState(
+        count=optax.safe_increment(t),
+        residual=treedef.unflatten(new_res) if error_feedback else None,
+        frequency=(treedef.unflatten([x.astype(jnp.float32) for x in new_freq])
+                   if use_frequency else None),
+        key=key,
+        kept_fraction=kept / max(total, 1) if total else jnp.ones([], jnp.float32))
+    return treedef.unflatten(outs), new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def ema_threshold_mask(
+    alpha: float = 0.7,
+    every: int = 100,
+    scale: float = 1.0,
+    error_feedback: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Keeps entries whose magnitude exceeds a slowly moving per-leaf threshold.
+
+  Per leaf, with ``r`` the error-feedback residual and ``t`` the step count
+  before this step:
+
+  .. math::
+    a = g + r,\qquad
+    \tau \leftarrow \begin{cases}
+      \operatorname{mean}|a| & t = 0\\
+      \alpha \operatorname{mean}|a| + (1-\alpha)\tau & t > 0,\ t \bmod N = 0\\
+      \tau & \text{otherwise}\end{cases}
+
+    \text{out} = a \odot [\,|a| \ge c\,\tau\,],\qquad r \leftarrow a - \text{out}
+
+  with ``N = every`` and ``c = scale``. One O(n) pass, no sort; the mean is
+  only computed on the steps that move ``τ`` (a ``lax.cond``). The kept
+  fraction is whatever the threshold gives: it drifts when the gradient scale
+  drifts between refreshes, so the state reports it (``kept_fraction``).
+
+  Args:
+    alpha: EMA weight of the new mean, in (0, 1] (article: 0.7).
+    every: refresh period ``N`` in steps, int >= 1 (article: 100).
+    scale: multiplier ``c`` of the threshold, >= 0.
+    error_feedback: carry the masked-out part to the next step.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Examples:
+    >>> import jax.numpy as jnp, grpo_optax
+    >>> tx = grpo_optax.ema_threshold_mask()
+    >>> g = {"w": jnp.array([0.1, -3.0, 2.0, 0.5])}
+    >>> out, state = tx.update(g, tx.init(g))
+    >>> out["w"], state.tau
+    (Array([ 0., -3.,  2.,  0.], dtype=float32), Array([1.4], dtype=float32))
+
+  References:
+    Lin et al., `Deep Gradient Compression
+    <https://arxiv.org/abs/1712.01887>`_, ICLR 2018.
+    Seetharaman et al., `AutoClip: Adaptive Gradient Clipping
+    <https://arxiv.org/abs/2007.14469>`_, 2020.
+  """
+  _common.check_range("alpha", alpha, 0.0, 1.0, low_inclusive=False)
+  _static_int("every", every, 1)
+  _common.check_range("scale", scale, 0.0)
+  if not isinstance(error_feedback, bool):
+    raise TypeError("error_feedback must be a bool")
+  alpha = _common.f32(alpha)
+  scale = _common.f32(scale)
+
+  def init_fn(params):
+    n_leaves = len(jax.tree.leaves(params))
+    return EmaThresholdMaskState(
+        count=jnp.zeros([], jnp.int32),
+        residual=optax.tree.zeros_like(params) if error_feedback else None,
+        tau=jnp.zeros((n_leaves,), jnp.float32),
+        kept_fraction=jnp.ones([], jnp.float32))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    t = state.count
+    leaves, treedef = jax.tree.flatten(updates)
+    if state.tau.shape != (len(leaves),):
+      raise ValueError(
+          f"ema_threshold_mask: the state was built for {state.tau.shape[0]}"
+          f" leaves but the updates have {len(leaves)}")
+    res = (treedef.flatten_up_to(state.residual) if error_feedback
+           else [None] * len(leaves))
+    a_leaves = [g if r is None else (g + r).astype(g.dtype)
+                for g, r in zip(leaves, res)]
+    refresh = (t == 0) | (t % jnp.asarray(every, t.dtype) == 0)
+
+    def new_tau(a_leaves):
+      means = jnp.stack([_common.mean32(jnp.abs(a)) for a in a_leaves]) if (
+          a_leaves) else jnp.zeros((0,), jnp.float32)
+      mixed = alpha * means + (1 - alpha) * state.tau
+      return jnp.where(t == 0, means, mixed).astype(jnp.float32)
+
+    tau = jax.lax.cond(refresh, new_tau, lambda _: state.tau, a_leaves)
+    outs, new_res = [], []
+    kept = jnp.zeros((), jnp.float32)
+    total = 0
+    for i, (a, r) in enumerate(zip(a_leaves, res)):
+      keep = jnp.abs(a) >= (scale * tau[i]).astype(a.dtype)
+      outs.append(jnp.where(keep, a, jnp.zeros_like(a)))
+      if r is not None:
+        new_res.append(jnp.where(keep, jnp.zeros_like(a), a).astype(r.dtype))
+      kept = kept + jnp.sum(keep, dtype=jnp.float32)
+      total += a.size
+    new_state = EmaThresholdMaskState(
+        count=optax.safe_increment(t),
+        residual=treedef.unflatten(new_res) if error_feedback else None,
+        tau=tau,
+        kept_fraction=kept / max(total, 1) if total else jnp.ones([], jnp.float32))
+    return treedef.unflatten(outs), new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
