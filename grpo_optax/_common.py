@@ -126,3 +126,40 @@ def leaves_mean(values: list[jax.Array]) -> jax.Array:
   if not values:
     return jnp.zeros((), jnp.float32)
   return jnp.mean(jnp.stack([jnp.asarray(v, jnp.float32) for v in values]))
+
+
+SAMPLE_PER_LEAF = 1024
+
+
+def strided_sample(x: jax.Array, max_n: int = SAMPLE_PER_LEAF) -> jax.Array:
+  """At most ``max_n`` evenly strided entries of ``x`` (flattened).
+
+  Diagnostics (means, standard deviations, kept fractions) are estimated on
+  such samples, so that logging never adds a pass over a parameter-sized
+  array to the update.
+  """
+  flat = jnp.ravel(x)
+  stride = max(1, -(-flat.size // max_n))
+  return flat[::stride]
+
+
+class SampledMoments:
+  """Accumulates size-weighted means over per-leaf samples."""
+
+  def __init__(self):
+    self.total = 0
+    self.sums: dict[str, jax.Array] = {}
+
+  def add(self, n: int, **samples: jax.Array) -> None:
+    if n == 0:
+      return
+    self.total += n
+    for k, v in samples.items():
+      v = jnp.asarray(v, jnp.float32)
+      contrib = jnp.mean(v) * n
+      self.sums[k] = self.sums.get(k, jnp.zeros((), jnp.float32)) + contrib
+
+  def mean(self, key: str, default: float = 0.0) -> jax.Array:
+    if not self.total or key not in self.sums:
+      return jnp.asarray(default, jnp.float32)
+    return self.sums[key] / self.total

@@ -28,11 +28,25 @@ class ClipWithL2State(NamedTuple):
 def global_norm32(tree) -> jax.Array:
   """Global L2 norm of a tree, accumulated in float32 (0 for an empty tree)."""
   leaves = jax.tree.leaves(tree)
-  if not leaves:
-    return jnp.zeros((), jnp.float32)
-  sq = [jnp.sum(jnp.square(x.astype(jnp.promote_types(x.dtype, jnp.float32))))
-        for x in leaves]
-  return jnp.sqrt(sum(sq)).astype(jnp.float32)
+  sq = sum((_common.sum32(jnp.square(x)) for x in leaves),
+           jnp.zeros((), jnp.float32))
+  return jnp.sqrt(sq)
+
+
+def _norm_with_l2(updates, params, l2) -> jax.Array:
+  """``||g + l2 * p||`` from reductions over the inputs only.
+
+  ``|g|^2 + 2 l2 <g, p> + l2^2 |p|^2``: every reduction reads arrays that are
+  already in memory, so XLA never materialises ``g + l2 * p`` just to take its
+  norm (on CPU that temporary costs more than the whole update).
+  """
+  g_leaves = jax.tree.leaves(updates)
+  p_leaves = jax.tree.leaves(params)
+  zero = jnp.zeros((), jnp.float32)
+  gg = sum((_common.sum32(jnp.square(g)) for g in g_leaves), zero)
+  gp = sum((_common.sum32(g * p) for g, p in zip(g_leaves, p_leaves)), zero)
+  pp = sum((_common.sum32(jnp.square(p)) for p in p_leaves), zero)
+  return jnp.sqrt(jnp.maximum(gg + 2 * l2 * gp + l2 * l2 * pp, 0.0))
 
 
 def clip_with_l2(
@@ -93,14 +107,20 @@ def clip_with_l2(
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    if not l2_off:
-      _common.require_params(params, "clip_with_l2", "when l2 > 0")
+    if l2_off:
+      norm = global_norm32(updates)
+      scale = jnp.minimum(1.0, max_norm / norm)
+      out = jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates)
+    else:
+      _common.require_params(
+          params, "clip_with_l2",
+          "when l2 is non-zero or traced (pass static_args=('l2',) to"
+          " optax.inject_hyperparams to keep l2=0 static)")
       _common.check_same_structure("params", params, updates, "clip_with_l2")
-      updates = jax.tree.map(
-          lambda g, p: (g + l2 * p).astype(g.dtype), updates, params)
-    norm = global_norm32(updates)
-    scale = jnp.minimum(1.0, max_norm / norm)
-    out = jax.tree.map(lambda a: (a * scale).astype(a.dtype), updates)
+      norm = _norm_with_l2(updates, params, l2)
+      scale = jnp.minimum(1.0, max_norm / norm)
+      out = jax.tree.map(lambda g, p: ((g + l2 * p) * scale).astype(g.dtype),
+                         updates, params)
     clipped = jnp.where(norm > max_norm, optax.safe_increment(state.clipped),
                         state.clipped)
     return out, ClipWithL2State(

@@ -148,18 +148,17 @@ def scale_by_variance_lr(
     scales = [1.0 / (1.0 + coef * v) for v in var]
     out = [(g * s).astype(g.dtype) for g, s in zip(g_leaves, scales)]
 
-    total = max(sum(sizes), 1)
-    def weighted_mean(xs):
-      acc = jnp.zeros((), jnp.float32)
-      for x, n in zip(xs, sizes):
-        acc = acc + (_common.sum32(x) if jnp.ndim(x) else x * n)
-      return acc / total
+    # Diagnostics: exact for per-leaf/global rates, on a strided sample for
+    # per-element rates (no extra pass over the leaf).
+    stats = _common.SampledMoments()
+    for v, sc, n in zip(var, scales, sizes):
+      stats.add(n, var=_common.strided_sample(v), scale=_common.strided_sample(sc))
 
     return treedef.unflatten(out), ScaleByVarianceLrState(
         count=count_inc,
         mu=optax.tree.cast_like(mu, state.mu),
         nu=optax.tree.cast_like(nu, state.nu),
-        variance=weighted_mean(var).astype(jnp.float32),
-        lr_scale=weighted_mean(scales).astype(jnp.float32))
+        variance=stats.mean("var"),
+        lr_scale=stats.mean("scale", 1.0))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

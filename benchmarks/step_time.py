@@ -1,0 +1,278 @@
+"""Step time of optimizer update + apply, against optax and the memory roofline.
+
+Measures the jitted ``update`` + ``apply_updates`` of each optimizer on a
+transformer-like parameter tree, with params and optimizer state donated (the
+update is in place, as in a real training step). All optimizers of one size
+are timed in the same process, interleaved round-robin, so that the ratios
+to Adam are robust to a noisy machine.
+
+For each row: ``optimizer``, ``n_params``, ``median_ms``, ``ratio_to_adam``,
+``bytes_per_step`` (the minimum a step must move: read the gradient, read and
+write the params and every param-sized state array), ``bytes_per_param``,
+``achieved_gbps`` (``bytes_per_step / median``) and ``roofline_fraction``
+(against the bandwidth of a donated in-place ``x += s * y`` measured in the
+same run).
+
+Run: ``python -m benchmarks.step_time [--quick] [--out DIR] [--sizes 1e6,2e7]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import grpo_optax
+
+
+def transformer_tree(n_params: float, d_model: int | None = None):
+  """A tree shaped like a transformer's params with about ``n_params`` entries.
+
+  Per layer: fused qkv (d, 3d), out (d, d), mlp (d, 4d) and (4d, d), two norm
+  scales and biases; plus an embedding (vocab, d) with vocab = 8d.
+  """
+  if d_model is None:
+    d_model = 256 if n_params < 5e6 else 512 if n_params < 5e7 else 1024
+  d = d_model
+  per_layer = 12 * d * d + 9 * d
+  embed = 8 * d * d
+  n_layers = max(1, round((n_params - embed) / per_layer))
+  shapes = {"embed": (8 * d, d)}
+  for i in range(n_layers):
+    shapes[f"layer_{i:02d}"] = {
+        "qkv": (d, 3 * d), "qkv_bias": (3 * d,), "out": (d, d), "out_bias": (d,),
+        "mlp_in": (d, 4 * d), "mlp_in_bias": (4 * d,), "mlp_out": (4 * d, d),
+        "ln1": (d,), "ln2": (d,)}
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+def optimizers(lr: float = 1e-3) -> dict[str, Callable[[], optax.GradientTransformation]]:
+  g = grpo_optax
+  return {
+      "sgd_momentum": lambda: optax.sgd(lr, momentum=0.9),
+      "adam": lambda: optax.adam(lr),
+      "adamw": lambda: optax.adamw(lr),
+      "nadam": lambda: optax.nadam(lr),
+      "clip_with_l2": lambda: optax.chain(g.clip_with_l2(1.0, 1e-4),
+                                          optax.sgd(lr)),
+      "scale_by_importance": lambda: optax.chain(g.scale_by_importance(),
+                                                 optax.sgd(lr)),
+      "top_k_mask_sampled": lambda: optax.chain(g.top_k_mask(method="sampled"),
+                                                optax.sgd(lr)),
+      "ema_threshold_mask": lambda: optax.chain(g.ema_threshold_mask(),
+                                                optax.sgd(lr)),
+      "scale_by_nesterov_adam_rms": lambda: optax.chain(
+          g.scale_by_nesterov_adam_rms(), optax.scale(-lr)),
+      "scale_by_variance_lr": lambda: optax.chain(g.scale_by_variance_lr(),
+                                                  optax.sgd(lr)),
+      "freeze_below": lambda: optax.chain(g.freeze_below(), optax.sgd(lr)),
+      "grpo_dense": lambda: g.grpo(lr, sparsify=None),
+      "grpo_threshold": lambda: g.grpo(lr, sparsify="threshold"),
+      "grpo_topk": lambda: g.grpo(lr, sparsify="topk"),
+  }
+
+
+QUICK = ("sgd_momentum", "adam", "nadam", "grpo_dense", "grpo_threshold",
+         "grpo_topk")
+
+
+def _param_sized_arrays(state, n_leaves_params: int, param_sizes: set) -> int:
+  """Bytes of state arrays that have the size of some parameter leaf."""
+  total = 0
+  for x in jax.tree.leaves(state):
+    if np.size(x) in param_sizes and np.size(x) > 1:
+      total += np.size(x) * jnp.asarray(x).dtype.itemsize
+  return total
+
+
+def minimal_bytes(params, state) -> int:
+  """Bytes a step must move: read grads, r/w params, r/w param-sized state."""
+  p_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  sizes = {x.size for x in jax.tree.leaves(params)}
+  s_bytes = _param_sized_arrays(state, len(jax.tree.leaves(params)), sizes)
+  return p_bytes * 3 + 2 * s_bytes
+
+
+def _make_step(tx):
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def copy_bandwidth(n: int, repeats: int = 10) -> float:
+  """GB/s of a donated in-place ``x += s * y`` on ``n`` float32 (3 x 4n bytes)."""
+  f = jax.jit(lambda x, y: x + 0.5 * y, donate_argnums=0)
+  x = jnp.zeros((n,), jnp.float32)
+  y = jnp.ones((n,), jnp.float32)
+  x = f(x, y).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    x = f(x, y)
+    x.block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return 12 * n / statistics.median(times) / 1e9
+
+
+def bench_size(n_params: float, names, *, rounds: int, iters: int, seed=0):
+  shapes = transformer_tree(n_params)
+  n = sum(math.prod(s.shape) for s in jax.tree.leaves(shapes))
+  key = jax.random.key(seed)
+  keys = jax.random.split(key, len(jax.tree.leaves(shapes)))
+  treedef = jax.tree.structure(shapes)
+  grads = treedef.unflatten([
+      1e-2 * jax.random.normal(k, s.shape, s.dtype)
+      for k, s in zip(keys, jax.tree.leaves(shapes))])
+  opts = optimizers()
+  runs = {}
+  for name in names:
+    tx = opts[name]()
+    params = jax.tree.map(lambda g: jnp.ones_like(g) * 0.02, grads)
+    state = tx.init(params)
+    nbytes = minimal_bytes(params, state)
+    step = _make_step(tx)
+    t0 = time.perf_counter()
+    params, state = step(params, state, grads)
+    jax.block_until_ready(params)
+    compile_s = time.perf_counter() - t0
+    runs[name] = dict(step=step, params=params, state=state, times=[],
+                      bytes=nbytes, compile_s=compile_s)
+  for _ in range(rounds):  # round-robin: the machine's drift hits all alike
+    for name in names:
+      r = runs[name]
+      for _ in range(iters):
+        t0 = time.perf_counter()
+        r["params"], r["state"] = r["step"](r["params"], r["state"], grads)
+        jax.block_until_ready(r["params"])
+        r["times"].append(time.perf_counter() - t0)
+  bw = copy_bandwidth(n)
+  adam_ms = statistics.median(runs["adam"]["times"]) * 1e3 if "adam" in runs else None
+  rows = []
+  for name in names:
+    r = runs[name]
+    ms = statistics.median(r["times"]) * 1e3
+    gbps = r["bytes"] / (ms / 1e3) / 1e9
+    rows.append(dict(
+        optimizer=name, n_params=int(n), median_ms=round(ms, 3),
+        ratio_to_adam=round(ms / adam_ms, 3) if adam_ms else None,
+        bytes_per_step=int(r["bytes"]),
+        bytes_per_param=round(r["bytes"] / n, 2),
+        achieved_gbps=round(gbps, 2),
+        copy_gbps=round(bw, 2),
+        roofline_fraction=round(gbps / bw, 3),
+        compile_s=round(r["compile_s"], 2),
+        samples=len(r["times"])))
+  for r in runs.values():  # free the donated buffers before the next size
+    del r["params"], r["state"]
+  return rows
+
+
+def to_markdown(rows, meta) -> str:
+  lines = [f"# Step time ({meta['device']}, {meta['date']})", "",
+           f"Command: `{meta['command']}`", "",
+           "| optimizer | params | median ms | x Adam | bytes/param | GB/s |"
+           " roofline |", "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(
+        f"| {r['optimizer']} | {r['n_params'] / 1e6:.1f}M | {r['median_ms']:.2f}"
+        f" | {r['ratio_to_adam']:.2f} | {r['bytes_per_param']:.0f}"
+        f" | {r['achieved_gbps']:.1f} | {r['roofline_fraction']:.2f} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(rows, path):
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for name in sorted({r["optimizer"] for r in rows}):
+    pts = sorted((r["n_params"], r["median_ms"]) for r in rows
+                 if r["optimizer"] == name)
+    if len(pts) > 1:
+      ax.loglog(*zip(*pts), marker="o", label=name)
+  ax.set_xlabel("parameters")
+  ax.set_ylabel("median ms per update + apply")
+  ax.legend(fontsize=7)
+  ax.grid(True, which="both", alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="one 20M size, the preset modes and optax baselines")
+  parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--sizes", default=None,
+                      help="comma-separated parameter counts, e.g. 1e6,2e7")
+  parser.add_argument("--optimizers", default=None,
+                      help="comma-separated names (default: all, or the quick set)")
+  parser.add_argument("--rounds", type=int, default=None)
+  parser.add_argument("--iters", type=int, default=None)
+  parser.add_argument("--tag", default="", help="suffix of the output files")
+  args = parser.parse_args(argv)
+
+  if args.sizes:
+    sizes = [float(s) for s in args.sizes.split(",")]
+  else:
+    sizes = [2e7] if args.quick else [1e6, 1e7, 2e7, 5e7, 1e8]
+  names = (args.optimizers.split(",") if args.optimizers
+           else list(QUICK) if args.quick else list(optimizers()))
+  unknown = set(names) - set(optimizers())
+  if unknown:
+    parser.error(f"--optimizers: unknown {sorted(unknown)}; "
+                 f"choose from {sorted(optimizers())}")
+  if "adam" not in names:
+    names.insert(0, "adam")
+  rounds = args.rounds or (5 if args.quick else 5)
+  iters = args.iters or (4 if args.quick else 3)
+
+  rows = []
+  for size in sizes:
+    size_rows = bench_size(size, names, rounds=rounds, iters=iters)
+    for r in size_rows:
+      print(f"{r['optimizer']:>28s} {r['n_params'] / 1e6:7.1f}M "
+            f"{r['median_ms']:9.2f} ms  x{r['ratio_to_adam']:.2f} Adam  "
+            f"{r['bytes_per_param']:5.0f} B/param  {r['achieved_gbps']:6.1f} GB/s "
+            f"({r['roofline_fraction']:.2f} of copy {r['copy_gbps']:.1f})",
+            flush=True)
+    rows.extend(size_rows)
+
+  meta = dict(
+      device=f"{jax.devices()[0].device_kind} x{jax.device_count()}"
+      f" ({platform.machine()}, {os.cpu_count()} cpus)",
+      backend=jax.default_backend(), jax=jax.__version__,
+      optax=optax.__version__, date=time.strftime("%Y-%m-%d"),
+      command="python -m benchmarks.step_time " + " ".join(argv or []),
+      rounds=rounds, iters=iters)
+  os.makedirs(args.out, exist_ok=True)
+  stem = os.path.join(args.out, "step_time" + (f"_{args.tag}" if args.tag else ""))
+  with open(stem + ".json", "w") as f:
+    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+  with open(stem + ".md", "w") as f:
+    f.write(to_markdown(rows, meta))
+  plot(rows, stem + ".png")
+  print(f"wrote {stem}.json, {stem}.md")
+  return rows
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+  main(sys.argv[1:])

@@ -1,0 +1,49 @@
+"""Mechanisms that change the training program, not just the gradients.
+
+A ``GradientTransformation`` only sees finished gradients, after their compute
+and memory are spent. The steps here change the program itself:
+
+* :func:`hierarchical_step`: exact gradients for core parameters every step,
+  non-core gradients only every ``refresh_every`` steps (the skip step does
+  not differentiate them at all).
+* :func:`train_step` (donated, in-place) and :func:`layerwise_train_step`
+  (fused backward + update per layer of a scanned stack, LOMO-style).
+* :func:`frozen_train_step`: frozen leaves are never differentiated.
+
+All take plain pytrees and a ``loss_fn(params, batch)``; :func:`split_model`
+turns a Flax NNX model into that form (Flax is imported only there).
+"""
+
+from grpo_optax.training._nnx import PureModel
+from grpo_optax.training._nnx import split_model
+from grpo_optax.training.freezing import FrozenStep
+from grpo_optax.training.freezing import frozen_train_step
+from grpo_optax.training.hierarchical import DEFAULT_NONCORE_PATTERN
+from grpo_optax.training.hierarchical import default_is_core
+from grpo_optax.training.hierarchical import hierarchical_step
+from grpo_optax.training.hierarchical import HierarchicalState
+from grpo_optax.training.hierarchical import HierarchicalStep
+from grpo_optax.training.immediate import layerwise_train_step
+from grpo_optax.training.immediate import LayerwiseState
+from grpo_optax.training.immediate import LayerwiseStep
+from grpo_optax.training.immediate import stacked_loss_fn
+from grpo_optax.training.immediate import StackedParams
+from grpo_optax.training.immediate import train_step
+
+__all__ = (
+    "DEFAULT_NONCORE_PATTERN",
+    "FrozenStep",
+    "HierarchicalState",
+    "HierarchicalStep",
+    "LayerwiseState",
+    "LayerwiseStep",
+    "PureModel",
+    "StackedParams",
+    "default_is_core",
+    "frozen_train_step",
+    "hierarchical_step",
+    "layerwise_train_step",
+    "split_model",
+    "stacked_loss_fn",
+    "train_step",
+)
