@@ -33,7 +33,7 @@ class TopKMaskState(NamedTuple):
   frequency: Optional[optax.Updates]  # EMA of the kept indicator; None when off
   key: jax.Array  # shape=(2,), dtype=uint32: PRNG key of the sampled threshold
   # shape=(), float32: kept / total at the last step (exact for the exact
-  # method, estimated on a strided sample of 1,024 entries per leaf otherwise)
+  # method, estimated on a strided sample of 4,096 entries per leaf otherwise)
   kept_fraction: jax.Array
 
 
@@ -44,7 +44,7 @@ class EmaThresholdMaskState(NamedTuple):
   residual: Optional[optax.Updates]  # error-feedback memory; None when off
   tau: jax.Array  # shape=(num_leaves,), float32: per-leaf thresholds
   # shape=(), float32: kept / total at the last step, estimated on a strided
-  # sample of 1,024 entries per leaf
+  # sample of 4,096 entries per leaf
   kept_fraction: jax.Array
 
 
@@ -246,7 +246,7 @@ def top_k_mask(
           thr = sampled_threshold(score, frac, k)
           keep = score >= thr
           # Estimated on a strided sample: no extra pass over the leaf.
-          kept_n = n * jnp.mean(_common.strided_sample(score) >= thr,
+          kept_n = n * jnp.mean(_common.strided_sample(score, 4096) >= thr,
                                 dtype=jnp.float32)
         keep = keep.reshape(g.shape)
         if static_min_size is None:  # traced min_size
@@ -369,7 +369,7 @@ def ema_threshold_mask(
         new_res.append(jnp.where(keep, jnp.zeros_like(a), a).astype(r.dtype))
       # Estimated on a strided sample: no extra pass over the leaf.
       kept = kept + a.size * jnp.mean(
-          jnp.abs(_common.strided_sample(a)) >= thr, dtype=jnp.float32)
+          jnp.abs(_common.strided_sample(a, 4096)) >= thr, dtype=jnp.float32)
       total += a.size
     new_state = EmaThresholdMaskState(
         count=optax.safe_increment(t),

@@ -1,0 +1,278 @@
+"""top_k_mask and ema_threshold_mask: exactness, error feedback, sampling, bad input."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import grpo_optax
+
+
+def _tree(seed=0, shapes=((50, 20), (37,), (3, 4, 5))):
+  rng = np.random.default_rng(seed)
+  return {f"l{i}": jnp.asarray(rng.normal(size=s), jnp.float32)
+          for i, s in enumerate(shapes)}
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.3, 0.5, 1.0])
+def test_exact_topk_keeps_exactly_k_largest(fraction):
+  tx = grpo_optax.top_k_mask(fraction=fraction, error_feedback=False)
+  g = _tree()
+  out, state = jax.jit(tx.update)(g, tx.init(g))
+  for name, leaf in g.items():
+    x = np.asarray(leaf).ravel()
+    kept = np.asarray(out[name]).ravel() != 0
+    k = math.ceil(fraction * x.size)
+    assert kept.sum() == k
+    # the kept ones are the k largest magnitudes
+    assert np.min(np.abs(x[kept])) >= np.max(np.abs(x[~kept]), initial=0.0)
+    np.testing.assert_array_equal(np.asarray(out[name]).ravel()[kept], x[kept])
+  total = sum(x.size for x in g.values())
+  expected = sum(math.ceil(fraction * x.size) for x in g.values()) / total
+  np.testing.assert_allclose(state.kept_fraction, expected, rtol=1e-6)
+
+
+def test_exact_topk_ties_keep_exactly_k():
+  tx = grpo_optax.top_k_mask(fraction=0.5, error_feedback=False)
+  g = {"w": jnp.ones(10)}
+  out, _ = tx.update(g, tx.init(g))
+  assert int(jnp.sum(out["w"] != 0)) == 5
+
+
+@pytest.mark.parametrize("make", [
+    lambda: grpo_optax.top_k_mask(0.2),
+    lambda: grpo_optax.top_k_mask(0.2, method="sampled"),
+    lambda: grpo_optax.top_k_mask(0.2, frequency_weight=0.5),
+    lambda: grpo_optax.top_k_mask(0.2, warmup_steps=4),
+    lambda: grpo_optax.ema_threshold_mask(every=3),
+])
+def test_error_feedback_loses_nothing(make):
+  tx = make()
+  params = _tree()
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  sum_g = jax.tree.map(jnp.zeros_like, params)
+  sum_out = jax.tree.map(jnp.zeros_like, params)
+  for i in range(20):
+    g = _tree(seed=i + 1)
+    out, state = update(g, state)
+    sum_g = jax.tree.map(jnp.add, sum_g, g)
+    sum_out = jax.tree.map(jnp.add, sum_out, out)
+  recovered = jax.tree.map(jnp.add, sum_out, state.residual)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4),
+               recovered, sum_g)
+  # the masks did drop something at every step, so the residual is not empty
+  assert float(optax.tree.norm(state.residual)) > 0
+
+
+def test_exact_topk_residual_drains_after_zeros():
+  tx = grpo_optax.top_k_mask(0.25)
+  g = _tree()
+  out, state = tx.update(g, tx.init(g))
+  zeros = jax.tree.map(jnp.zeros_like, g)
+  update = jax.jit(tx.update)
+  for _ in range(4):  # ceil(1 / 0.25) steps flush every entry
+    out, state = update(zeros, state)
+  assert float(optax.tree.norm(state.residual)) == 0.0
+  out, state = update(zeros, state)
+  assert float(optax.tree.norm(out)) == 0.0
+
+
+def test_threshold_residual_drains_after_zeros():
+  tx = grpo_optax.ema_threshold_mask(alpha=0.7, every=1)
+  g = _tree()
+  _, state = tx.update(g, tx.init(g))
+  start = float(optax.tree.norm(state.residual))
+  zeros = jax.tree.map(jnp.zeros_like, g)
+  update = jax.jit(tx.update)
+  for _ in range(60):
+    _, state = update(zeros, state)
+  assert float(optax.tree.norm(state.residual)) < 1e-3 * start
+
+
+def test_no_error_feedback_has_no_residual_state():
+  tx = grpo_optax.top_k_mask(0.3, error_feedback=False)
+  assert tx.init(_tree()).residual is None
+  tx = grpo_optax.ema_threshold_mask(error_feedback=False)
+  assert tx.init(_tree()).residual is None
+
+
+@pytest.mark.parametrize("dist", ["gaussian", "student_t3"])
+@pytest.mark.parametrize("fraction", [0.1, 0.3])
+def test_sampled_topk_keeps_close_to_target(dist, fraction):
+  rng = np.random.default_rng(7)
+  n = 100_000
+  x = rng.normal(size=n) if dist == "gaussian" else rng.standard_t(3, size=n)
+  g = {"w": jnp.asarray(x, jnp.float32),
+       "small": jnp.asarray(rng.normal(size=300), jnp.float32)}
+  tx = grpo_optax.top_k_mask(fraction, method="sampled", error_feedback=False,
+                             seed=3)
+  state = tx.init(g)
+  update = jax.jit(tx.update)
+  for _ in range(5):  # fresh samples each step
+    out, state = update(g, state)
+    for name in g:
+      kept = float(jnp.mean(out[name] != 0))
+      assert abs(kept - fraction) <= 0.25 * fraction, (name, kept)
+    actual = sum(float(jnp.sum(out[k] != 0)) for k in g) / sum(
+        x.size for x in g.values())
+    # the diagnostic is estimated on a strided sample of 4,096 per leaf
+    assert abs(float(state.kept_fraction) - actual) < 0.04
+    # it keeps the largest: everything kept is above everything dropped
+    w = np.abs(np.asarray(g["w"]))
+    kept_mask = np.asarray(out["w"]) != 0
+    assert w[kept_mask].min() >= w[~kept_mask].max()
+
+
+def test_sampled_threshold_key_advances():
+  tx = grpo_optax.top_k_mask(0.3, method="sampled")
+  g = {"w": jnp.asarray(np.random.default_rng(0).normal(size=50_000), jnp.float32)}
+  s0 = tx.init(g)
+  _, s1 = tx.update(g, s0)
+  assert not np.array_equal(s0.key, s1.key)
+  assert s1.key.dtype == jnp.uint32
+
+
+def test_warmup_ramps_from_dense_to_fraction():
+  tx = grpo_optax.top_k_mask(0.1, warmup_steps=4, error_feedback=False)
+  g = {"w": jnp.asarray(np.random.default_rng(0).normal(size=1000), jnp.float32)}
+  state = tx.init(g)
+  kept = []
+  for _ in range(6):
+    out, state = jax.jit(tx.update)(g, state)
+    kept.append(int(jnp.sum(out["w"] != 0)))
+  expected = [math.ceil(0.1 ** (min(t, 4) / 4) * 1000) for t in range(6)]
+  assert kept == expected
+  assert kept[0] == 1000 and kept[-1] == 100
+
+
+def test_min_size_passes_small_leaves_dense():
+  tx = grpo_optax.top_k_mask(0.1, min_size=100)
+  g = {"big": jnp.arange(1.0, 1001.0), "small": jnp.arange(1.0, 51.0)}
+  out, _ = tx.update(g, tx.init(g))
+  np.testing.assert_array_equal(out["small"], g["small"])
+  assert int(jnp.sum(out["big"] != 0)) == 100
+
+
+def test_frequency_weight_rotates_kept_entries():
+  """With b > 0, entries kept often yield to entries kept rarely."""
+  g = {"w": jnp.asarray([1.0, 0.99, 0.98, 0.97])}
+  plain = grpo_optax.top_k_mask(0.5, error_feedback=False)
+  freq = grpo_optax.top_k_mask(0.5, error_feedback=False, frequency_weight=0.5)
+  s_plain, s_freq = plain.init(g), freq.init(g)
+  kept_plain, kept_freq = set(), set()
+  for _ in range(4):
+    o1, s_plain = plain.update(g, s_plain)
+    o2, s_freq = freq.update(g, s_freq)
+    kept_plain |= set(np.flatnonzero(np.asarray(o1["w"])))
+    kept_freq |= set(np.flatnonzero(np.asarray(o2["w"])))
+  assert kept_plain == {0, 1}
+  assert kept_freq == {0, 1, 2, 3}
+  assert s_freq.frequency["w"].dtype == jnp.float32
+
+
+def _numpy_ema_threshold(grads, alpha, every, scale):
+  r = tau = None
+  outs = []
+  for t, g in enumerate(grads):
+    g = {k: np.asarray(v, np.float64) for k, v in g.items()}
+    if r is None:
+      r = {k: np.zeros_like(v) for k, v in g.items()}
+      tau = {}
+    out = {}
+    for k in sorted(g):
+      a = g[k] + r[k]
+      if t == 0:
+        tau[k] = np.mean(np.abs(a))
+      elif t % every == 0:
+        tau[k] = alpha * np.mean(np.abs(a)) + (1 - alpha) * tau[k]
+      keep = np.abs(a) >= scale * tau[k]
+      out[k] = np.where(keep, a, 0.0)
+      r[k] = a - out[k]
+    outs.append(out)
+  return outs, tau
+
+
+def test_ema_threshold_matches_numpy_reference():
+  grads = []
+  for i in range(25):
+    tr = _tree(seed=100 + i)
+    grads.append(jax.tree.map(lambda x, s=(1 + 0.1 * i): x * s, tr))
+  tx = grpo_optax.ema_threshold_mask(alpha=0.7, every=4, scale=1.2)
+  state = tx.init(grads[0])
+  update = jax.jit(tx.update)
+  ref, tau = _numpy_ema_threshold(grads, 0.7, 4, 1.2)
+  for g, r in zip(grads, ref):
+    out, state = update(g, state)
+    for k in r:
+      np.testing.assert_allclose(out[k], r[k], rtol=2e-4, atol=1e-6)
+  np.testing.assert_allclose(state.tau, [tau[k] for k in sorted(tau)], rtol=2e-4)
+  assert int(state.count) == 25
+
+
+def test_ema_threshold_tau_moves_only_every_n_steps():
+  tx = grpo_optax.ema_threshold_mask(alpha=0.5, every=3)
+  state = tx.init(_tree())
+  taus = []
+  for i in range(7):
+    _, state = tx.update(_tree(seed=i), state)
+    taus.append(np.asarray(state.tau))
+  np.testing.assert_array_equal(taus[0], taus[1])
+  np.testing.assert_array_equal(taus[1], taus[2])
+  assert not np.array_equal(taus[2], taus[3])
+  np.testing.assert_array_equal(taus[3], taus[5])
+  assert not np.array_equal(taus[5], taus[6])
+
+
+def test_ema_threshold_leaf_count_mismatch():
+  tx = grpo_optax.ema_threshold_mask()
+  state = tx.init({"a": jnp.ones(3)})
+  with pytest.raises(ValueError, match="leaves"):
+    tx.update({"a": jnp.ones(3), "b": jnp.ones(2)}, state)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(fraction=0.0), "fraction"), (dict(fraction=1.5), "fraction"),
+    (dict(fraction=-0.1), "fraction"), (dict(frequency_weight=2.0), "frequency_weight"),
+    (dict(min_size=-1), "min_size"), (dict(warmup_steps=-3), "warmup_steps"),
+    (dict(warmup_steps=2.5), "warmup_steps"), (dict(frequency_decay=1.0), "frequency_decay"),
+])
+def test_topk_bad_input(kwargs, name):
+  with pytest.raises(ValueError, match=name):
+    grpo_optax.top_k_mask(**kwargs)
+
+
+def test_topk_unknown_method():
+  with pytest.raises(ValueError, match="method must be one of"):
+    grpo_optax.top_k_mask(method="approx")
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(alpha=0.0), "alpha"), (dict(alpha=1.2), "alpha"), (dict(every=0), "every"),
+    (dict(every=1.5), "every"), (dict(scale=-1.0), "scale")])
+def test_threshold_bad_input(kwargs, name):
+  with pytest.raises(ValueError, match=name):
+    grpo_optax.ema_threshold_mask(**kwargs)
+
+
+def test_traced_fraction_with_exact_method_keeps_exactly_k():
+  tx = optax.inject_hyperparams(grpo_optax.top_k_mask)(fraction=0.3,
+                                                       error_feedback=False)
+  g = _tree()
+  out, state = jax.jit(tx.update)(g, tx.init(g))
+  for name, leaf in g.items():
+    assert int(jnp.sum(out[name] != 0)) == math.ceil(0.3 * leaf.size)
+  state.hyperparams["fraction"] = jnp.asarray(0.5)
+  out, _ = jax.jit(tx.update)(g, state)
+  for name, leaf in g.items():
+    assert int(jnp.sum(out[name] != 0)) == math.ceil(0.5 * leaf.size)
+
+
+def test_nan_in_gradient_is_not_hidden():
+  tx = grpo_optax.top_k_mask(0.5)
+  g = {"w": jnp.array([1.0, jnp.nan, 3.0, 0.1])}
+  out, state = tx.update(g, tx.init(g))
+  assert bool(jnp.isnan(out["w"]).any() | jnp.isnan(state.residual["w"]).any())
