@@ -1,0 +1,104 @@
+"""The grpo() preset: trains in every mode with one compilation; bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import grpo_optax
+
+
+def _data():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(256, 16)).astype(np.float32)
+  w_true = rng.normal(size=(16, 4)).astype(np.float32)
+  y = np.argmax(x @ w_true + 0.1 * rng.normal(size=(256, 4)), axis=1)
+  return jnp.asarray(x), jnp.asarray(y)
+
+
+def _init():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {"hidden": {"kernel": 0.3 * jax.random.normal(k1, (16, 32)),
+                     "bias": jnp.zeros(32)},
+          "out": {"kernel": 0.3 * jax.random.normal(k2, (32, 4)),
+                  "bias": jnp.zeros(4)}}
+
+
+def _loss(params, x, y):
+  h = jnp.tanh(x @ params["hidden"]["kernel"] + params["hidden"]["bias"])
+  logits = h @ params["out"]["kernel"] + params["out"]["bias"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(sparsify="topk"), dict(sparsify="topk", topk_method="exact"),
+    dict(sparsify="threshold", every=20), dict(sparsify=None),
+    dict(sparsify=None, filter_decay=0.5, l2=1e-4, variance_reduction="global"),
+], ids=["topk_sampled", "topk_exact", "threshold", "dense", "dense_options"])
+def test_trains_with_one_compilation(kwargs):
+  x, y = _data()
+  tx = grpo_optax.grpo(1e-2, **kwargs)
+  params = _init()
+  state = tx.init(params)
+  traces = []
+
+  @jax.jit
+  def step(params, state):
+    traces.append(None)
+    loss, grads = jax.value_and_grad(_loss)(params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  first = float(_loss(params, x, y))
+  for _ in range(300):
+    params, state, loss = step(params, state)
+  assert len(traces) == 1
+  assert float(loss) < 0.35 * first, (first, float(loss))
+
+
+def test_every_stage_can_be_switched_off():
+  tx = grpo_optax.grpo(0.1, max_norm=None, importance=False, sparsify=None,
+                       adaptive=False, variance_coef=None)
+  params = {"w": jnp.ones(3)}
+  u, _ = tx.update({"w": jnp.array([1.0, 2.0, 3.0])}, tx.init(params), params)
+  np.testing.assert_allclose(u["w"], [-0.1, -0.2, -0.3], rtol=1e-6)  # plain SGD
+
+
+def test_schedule_and_inject_hyperparams():
+  sched = optax.linear_schedule(1e-2, 0.0, 10)
+  tx = grpo_optax.grpo(sched)
+  params = _init()
+  x, y = _data()
+  g = jax.grad(_loss)(params, x, y)
+  u, _ = tx.update(g, tx.init(params), params)
+  assert float(optax.tree.norm(u)) > 0
+  injected = optax.inject_hyperparams(grpo_optax.grpo)(learning_rate=1e-2)
+  s = injected.init(params)
+  u1, s = jax.jit(injected.update)(g, s, params)
+  s.hyperparams["learning_rate"] = jnp.asarray(0.0)
+  u2, _ = jax.jit(injected.update)(g, s, params)
+  assert float(optax.tree.norm(u1)) > 0 and float(optax.tree.norm(u2)) == 0
+
+
+def test_extra_args_reach_the_stages():
+  params = _init()
+  x, y = _data()
+  g = jax.grad(_loss)(params, x, y)
+  tx = grpo_optax.grpo(1e-2, sparsify=None)
+  u_plain, _ = tx.update(g, tx.init(params), params)
+  hd = jax.tree.map(lambda p: jnp.full_like(p, 100.0), params)
+  u_h, _ = tx.update(g, tx.init(params), params, hessian_diag=hd)
+  assert not np.allclose(u_plain["hidden"]["kernel"], u_h["hidden"]["kernel"])
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(sparsify="random"), "sparsify"), (dict(fraction=0.0), "fraction"),
+    (dict(alpha=2.0, sparsify="threshold"), "alpha"), (dict(b1=1.0), "b1"), (dict(max_norm=-1.0), "max_norm"),
+    (dict(variance_coef=-1.0), "coef"), (dict(variance_reduction="x"), "reduction"),
+    (dict(importance_order=3), "order"), (dict(topk_method="fast"), "method"),
+    (dict(adam_weight=2.0), "adam_weight"), (dict(freeze_threshold=-1.0), "threshold"),
+])
+def test_bad_input(kwargs, name):
+  with pytest.raises(ValueError, match=name):
+    grpo_optax.grpo(1e-3, **kwargs)
