@@ -240,3 +240,37 @@ def test_converges_on_rosenbrock(case):
   params = _minimize(case.make_optimizer(), loss,
                      {"xy": jnp.array([-1.0, 1.5])}, 4 * case.steps)
   np.testing.assert_allclose(params["xy"], jnp.array([1.0, 1.0]), atol=0.1)
+
+
+@cases
+def test_odd_trees(case):
+  """None leaves, zero-size leaves, tuples/lists and a 1-element leaf."""
+  params = {"none": None, "empty": jnp.zeros((0, 3)), "one": jnp.ones((1,)),
+            "seq": (jnp.ones((2, 3)), [jnp.full((4,), 2.0)])}
+  tx = case.make()
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for i in range(3):
+    g = jax.tree.map(lambda p, i=i: jnp.full_like(p, 0.1 * (i + 1)), params)
+    u, state = update(g, state, params)
+  assert jax.tree.structure(u) == jax.tree.structure(params)
+  assert u["empty"].shape == (0, 3)
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(u))
+
+
+@cases
+def test_state_serialization_roundtrip(case):
+  """State survives a host round trip (pickle of NumPy arrays), as checkpoints do."""
+  import pickle  # pylint: disable=g-import-not-at-top
+  tx = case.make()
+  params = _params()
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  for i in range(2):
+    _, state = update(_grads(params, i), state, params)
+  restored = pickle.loads(pickle.dumps(jax.tree.map(np.asarray, state)))
+  restored = jax.tree.map(jnp.asarray, restored)
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  u1, _ = update(_grads(params, 5), state, params)
+  u2, _ = update(_grads(params, 5), restored, params)
+  chex_equal(u1, u2)
