@@ -1,0 +1,1 @@
+"""Masked-language-model pre-training of a small BERT with Flax NNX."""

@@ -1,0 +1,270 @@
+"""Training loop of the BERT masked-LM example (``train_and_evaluate``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tqdm
+from flax import nnx
+
+import grpo_optax
+
+from examples.bert_mlm import input_pipeline
+from examples.bert_mlm import models
+from examples.common import data as data_lib
+from examples.common import flags
+from examples.common import metrics as metrics_lib
+from examples.common import optim
+from examples.common import workdir as workdir_lib
+
+# Peak learning rates per optimizer (cosine schedule with 5% warm-up).
+DEFAULT_LRS = {"grpo": 2e-3, "adam": 2e-3, "adamw": 2e-3, "nadam": 2e-3,
+               "sgd": 0.3}
+# Held-out masks are the same for every run (any seed, any optimizer).
+_EVAL_MASK_SEED = 12345
+_ATTENTION_PROJECTIONS = ("query", "key", "value", "out")
+
+
+def head_entropy_tree(grads: nnx.State,
+                      entropies: Sequence[jax.Array]) -> nnx.State:
+  """The ``head_entropy`` extra argument of ``grpo_optax.grpo``.
+
+  A tree shaped like the gradients (pure arrays, as the optimizer sees them)
+  whose attention-projection leaves hold the layer's per-head entropies,
+  reshaped to broadcast over the leaf's head axis, and whose other leaves are
+  None. Kernels: query/key/value ``(D, H, Dh)`` -> ``(1, H, 1)``, out
+  ``(H, Dh, D)`` -> ``(H, 1, 1)``; query/key/value biases ``(H, Dh)`` ->
+  ``(H, 1)``; the out bias has no head axis (None).
+
+  Args:
+    grads: gradients w.r.t. ``nnx.Param`` of a ``BertMLM``.
+    entropies: per layer, the ``[H]`` entropies from ``apply_with_entropy``.
+  """
+
+  def leaf(path, x):
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    if len(keys) < 5 or keys[-5] != "layers" or keys[-3] != "attn":
+      return None
+    layer, projection, kind = keys[-4], keys[-2], keys[-1]
+    if projection not in _ATTENTION_PROJECTIONS or (
+        projection == "out" and kind == "bias"):
+      return None
+    # The head axis: 0 for out's kernel and for q/k/v biases, 1 for q/k/v
+    # kernels (D, H, Dh).
+    head_axis = 1 if projection != "out" and kind == "kernel" else 0
+    return grpo_optax.per_head(entropies[int(layer)], head_axis, x.ndim)
+
+  return jax.tree_util.tree_map_with_path(leaf, nnx.as_pure(grads))
+
+
+def _mlm_metrics(logits, targets):
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  correct = jnp.argmax(logits, -1) == targets
+  return loss, correct
+
+
+def make_train_step(graphdef: nnx.GraphDef, *, num_predictions: int,
+                    vocab_size: int, pass_head_entropy: bool,
+                    compiler_options: dict | None = None):
+  """A jitted step ``(state, tokens, key) -> (state, metrics)``.
+
+  ``key`` (a function of seed and step) draws the masks and the dropout;
+  ``state`` = ``nnx.state((model, optimizer))`` is donated.
+  """
+
+  @functools.partial(jax.jit, donate_argnums=0,
+                     compiler_options=compiler_options)
+  def train_step(state, tokens, key):
+    model, optimizer = nnx.merge(graphdef, state)
+    mask_key, dropout_key = jax.random.split(key)
+    inputs, positions, targets = input_pipeline.mask_tokens(
+        mask_key, tokens, num_predictions=num_predictions,
+        vocab_size=vocab_size)
+
+    def loss_fn(model):
+      logits, entropies = model.apply_with_entropy(
+          inputs, deterministic=False, dropout_key=dropout_key,
+          positions=positions)
+      loss, correct = _mlm_metrics(logits, targets)
+      return loss.mean(), (correct.mean(), entropies)
+
+    (loss, (accuracy, entropies)), grads = nnx.value_and_grad(
+        loss_fn, has_aux=True)(model)
+    extra = ({"head_entropy": head_entropy_tree(grads, entropies)}
+             if pass_head_entropy else {})
+    updates = optimizer.update(model, grads, **extra)
+    metrics = {
+        "loss": loss,
+        "masked_accuracy": accuracy,
+        "grad_norm": optax.tree.norm(grads),
+        "update_norm": optax.tree.norm(updates),
+        "param_norm": optax.tree.norm(nnx.state(model, nnx.Param)),
+    }
+    for i, entropy in enumerate(entropies):
+      for h in range(entropy.shape[0]):
+        metrics[f"head_entropy/layer{i}_head{h}"] = entropy[h]
+    return nnx.state((model, optimizer)), metrics
+
+  return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef, *, num_predictions: int,
+                   vocab_size: int, compiler_options: dict | None = None):
+  """A jitted ``(state, tokens, mask, key) -> (loss sum, correct sum, count)``."""
+
+  @functools.partial(jax.jit, compiler_options=compiler_options)
+  def eval_step(state, tokens, mask, key):
+    model, _ = nnx.merge(graphdef, state)
+    inputs, positions, targets = input_pipeline.mask_tokens(
+        key, tokens, num_predictions=num_predictions, vocab_size=vocab_size)
+    logits, _ = model.apply_with_entropy(inputs, deterministic=True,
+                                         positions=positions)
+    loss, correct = _mlm_metrics(logits, targets)
+    weight = mask[:, None].astype(jnp.float32)
+    return (jnp.sum(loss * weight), jnp.sum(correct * weight),
+            jnp.sum(jnp.broadcast_to(weight, loss.shape)))
+
+  return eval_step
+
+
+def evaluate(eval_step, state, sequences: np.ndarray,
+             batch_size: int) -> tuple[float, float]:
+  """Held-out MLM loss (nats per masked token) and masked-token accuracy."""
+  base = jax.random.key(_EVAL_MASK_SEED)
+  loss_sum = correct_sum = count = 0.0
+  num = len(sequences)
+  for i, (idx, mask) in enumerate(data_lib.eval_batches(
+      num, min(batch_size, num))):
+    loss, correct, n = eval_step(state, sequences[idx], mask,
+                                 jax.random.fold_in(base, i))
+    loss_sum += float(loss)
+    correct_sum += float(correct)
+    count += float(n)
+  return loss_sum / count, correct_sum / count
+
+
+def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
+  """Trains BERT as the flags say; returns the dict written to metrics.json."""
+  start_time = time.time()
+  workdir = workdir_lib.Workdir(args.workdir, resume=args.resume,
+                                checkpoint_every=args.checkpoint_every)
+  data = input_pipeline.load(
+      text_files=args.text_files, vocab_size=args.vocab_size,
+      seq_len=args.seq_len, max_train=args.max_train_examples,
+      max_eval=args.max_eval_examples)
+  config = models.BertConfig(
+      vocab_size=data.vocab_size, max_len=args.seq_len, hidden=args.hidden,
+      num_layers=args.num_layers, num_heads=args.num_heads, ffn=args.ffn,
+      dropout=args.dropout)
+  init_key, step_base = data_lib.init_and_step_keys(args.seed)
+  model, optimizer = optim.create_model_and_optimizer(
+      lambda rngs: models.BertMLM(config, rngs=rngs),
+      optim.make_optimizer(args, DEFAULT_LRS), init_key)
+  start_step, history = workdir.restore(model, optimizer)
+  if start_step > args.steps:
+    raise ValueError(f"the checkpoint in {args.workdir} is at step "
+                     f"{start_step}, beyond --steps {args.steps}.")
+
+  num_predictions = input_pipeline.num_predictions(args.seq_len,
+                                                   args.mask_rate)
+  graphdef, state = nnx.split((model, optimizer))
+  train_step = make_train_step(
+      graphdef, num_predictions=num_predictions, vocab_size=data.vocab_size,
+      pass_head_entropy=args.optimizer == "grpo" and args.head_entropy,
+      compiler_options=flags.compiler_options(args))
+  eval_step = make_eval_step(graphdef, num_predictions=num_predictions,
+                             vocab_size=data.vocab_size,
+                             compiler_options=flags.compiler_options(args))
+  num_train = len(data.train)
+
+  bar = tqdm.tqdm(range(start_step, args.steps), initial=start_step,
+                  total=args.steps, disable=args.quiet, desc="train",
+                  dynamic_ncols=True)
+  tick = time.time()
+  for step in bar:
+    idx = data_lib.batch_indices(args.seed, step, args.batch_size, num_train)
+    state, metrics = train_step(state, data.train[idx],
+                                data_lib.step_key(step_base, step))
+    metrics = jax.device_get(metrics)
+    done = step + 1
+    history["train_loss"].append([done, float(metrics["loss"])])
+    now = time.time()
+    bar.set_postfix(loss=f"{metrics['loss']:.4f}",
+                    ex_per_s=f"{args.batch_size / (now - tick):.0f}")
+    tick = now
+    workdir.writer.write_scalars(done, {f"train/{k}": v
+                                        for k, v in metrics.items()})
+
+    last = done == args.steps
+    evaluated = last or (args.eval_every and done % args.eval_every == 0)
+    if evaluated:
+      eval_loss, eval_acc = evaluate(eval_step, state, data.eval,
+                                     args.eval_batch_size)
+      history["eval"].append([done, eval_loss, eval_acc])
+      workdir.writer.write_scalars(done, {"eval/mlm_loss": eval_loss,
+                                          "eval/masked_accuracy": eval_acc})
+      if not args.quiet:
+        bar.write(f"step {done}: held-out MLM loss {eval_loss:.4f} "
+                  f"(unigram entropy {data.unigram_entropy:.4f}), masked "
+                  f"accuracy {eval_acc:.4f}")
+    if workdir.should_checkpoint(done, evaluated=evaluated, last=last):
+      nnx.update((model, optimizer), state)
+      workdir.log_optimizer(done, optimizer)
+      workdir.save(done, model, optimizer, history)
+  bar.close()
+
+  nnx.update((model, optimizer), state)
+  if not history["eval"] or history["eval"][-1][0] != args.steps:
+    # Resumed from a finished run: evaluate the restored model once.
+    history["eval"].append([args.steps, *evaluate(
+        eval_step, state, data.eval, args.eval_batch_size)])
+  _, eval_loss, eval_acc = history["eval"][-1]
+  recent = [loss for _, loss in history["train_loss"][-10:]]
+  summary = {
+      "example": "bert_mlm",
+      "corpus": "files" if args.text_files else "pydoc_data.topics",
+      "config": dataclasses.asdict(config),
+      "num_params": int(sum(x.size for x in jax.tree.leaves(
+          nnx.state(model, nnx.Param)))),
+      "optimizer": args.optimizer,
+      "learning_rate": optim.peak_learning_rate(args, DEFAULT_LRS),
+      "steps": args.steps,
+      "batch_size": args.batch_size,
+      "seed": args.seed,
+      "num_train_sequences": num_train,
+      "num_eval_sequences": len(data.eval),
+      "train_loss": float(np.mean(recent)) if recent else None,
+      "eval_loss": eval_loss,
+      "eval_masked_accuracy": eval_acc,
+      "unigram_entropy": data.unigram_entropy,
+      "below_unigram_entropy": eval_loss < data.unigram_entropy,
+      "wall_time_s": time.time() - start_time,
+      "resumed_from_step": start_step,
+      "optimizer_diagnostics": {
+          name: float(value) for name, value in
+          metrics_lib.optimizer_diagnostics(optimizer).items()
+          if value.size == 1},
+      "train_loss_history": history["train_loss"],
+      "eval_history": history["eval"],
+      "args": vars(args),
+  }
+  if args.workdir:
+    data.tokenizer.save(os.path.join(args.workdir, "tokenizer.json"))
+  workdir.finish(summary, title=f"BERT MLM, {args.optimizer}",
+                 reference=data.unigram_entropy,
+                 reference_label="unigram entropy")
+  if not args.quiet:
+    print(f"held-out MLM loss {eval_loss:.4f} nats vs unigram entropy "
+          f"{data.unigram_entropy:.4f} nats; masked accuracy {eval_acc:.4f}; "
+          f"{args.steps} steps of {args.optimizer}, "
+          f"{summary['wall_time_s']:.1f} s")
+  return summary

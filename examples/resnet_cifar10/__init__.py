@@ -1,0 +1,1 @@
+"""ResNet image classification (CIFAR-10 or scikit-learn digits) with Flax NNX."""
