@@ -351,13 +351,17 @@ def ema_threshold_mask(
                 for g, r in zip(leaves, res)]
     refresh = (t == 0) | (t % jnp.asarray(every, t.dtype) == 0)
 
-    def new_tau(a_leaves):
-      means = jnp.stack([_common.mean32(jnp.abs(a)) for a in a_leaves]) if (
-          a_leaves) else jnp.zeros((0,), jnp.float32)
-      mixed = alpha * means + (1 - alpha) * state.tau
-      return jnp.where(t == 0, means, mixed).astype(jnp.float32)
+    old_tau = [state.tau[i] for i in range(len(leaves))]
 
-    tau = jax.lax.cond(refresh, new_tau, lambda _: state.tau, a_leaves)
+    def new_tau(a_leaves):
+      # Per-leaf scalars, not one stacked vector: XLA would otherwise fuse the
+      # vector's computation (all leaves' means) into every leaf's mask.
+      return tuple(
+          jnp.where(t == 0, m, alpha * m + (1 - alpha) * old).astype(jnp.float32)
+          for m, old in zip((_common.mean32(jnp.abs(a)) for a in a_leaves),
+                            old_tau))
+
+    tau = jax.lax.cond(refresh, new_tau, lambda _: tuple(old_tau), a_leaves)
     outs, new_res = [], []
     kept = jnp.zeros((), jnp.float32)
     total = 0
@@ -374,7 +378,7 @@ def ema_threshold_mask(
     new_state = EmaThresholdMaskState(
         count=optax.safe_increment(t),
         residual=treedef.unflatten(new_res) if error_feedback else None,
-        tau=tau,
+        tau=(jnp.stack(tau) if tau else state.tau),
         kept_fraction=kept / max(total, 1) if total else jnp.ones([], jnp.float32))
     return treedef.unflatten(outs), new_state
 
