@@ -21,6 +21,8 @@ from grpo_optax import _common
 
 METHODS = ("exact", "sampled")
 _MIN_SAMPLE = 1024  # floor on the sample size of the sampled threshold
+_MAX_SAMPLE = 65536  # cap on it (the quantile error is ~0.2% there)
+_KEPT_SAMPLE = 4096  # strided sample of the kept-fraction diagnostic
 _SAMPLE_RATE = 0.01  # fraction of a leaf sampled (Deep Gradient Compression)
 _BISECTION_STEPS = 24
 
@@ -58,15 +60,73 @@ def _static_int(name, value, low):
 
 
 def _sample_size(n: int) -> int:
-  return min(n, max(_MIN_SAMPLE, math.ceil(_SAMPLE_RATE * n)))
+  return min(n, max(_MIN_SAMPLE, min(_MAX_SAMPLE, math.ceil(_SAMPLE_RATE * n))))
+
+
+def draw_sample(score: jax.Array, key: Optional[jax.Array] = None, *,
+                uniform: Optional[jax.Array] = None) -> jax.Array:
+  """``max(1024, n/100)`` (at most 65,536) random entries of a flat ``score``.
+
+  Small leaves (``n <= 1024``) are used whole. The positions come from
+  ``key``, or from ``uniform``: ``m`` uniform [0, 1) numbers (so that one
+  random draw can serve all leaves).
+  """
+  n = score.shape[0]
+  m = _sample_size(n)
+  if m == n:
+    return score
+  if uniform is None:
+    uniform = jax.random.uniform(key, (m,))
+  idx = jnp.minimum((uniform * n).astype(jnp.int32), n - 1)
+  return score[idx]
+
+
+def bisect_thresholds(samples: list[jax.Array], fraction) -> list[jax.Array]:
+  """For each sample, the value above which ``fraction`` of it lies.
+
+  24 bisection steps between the sample's min and max, counting entries
+  ``>= mid``: O(m) per step and no sort. Samples are grouped by padded size
+  (powers of two, padding with -inf) so that one loop serves many leaves:
+  the compiled program stays small however many leaves the model has.
+
+  Args:
+    samples: flat float arrays.
+    fraction: the fraction to keep, in (0, 1] (may be traced).
+
+  Returns:
+    One scalar threshold per sample.
+  """
+  buckets: dict[int, list[int]] = {}
+  for i, smp in enumerate(samples):
+    buckets.setdefault(1 << max(0, (smp.shape[0] - 1).bit_length()), []).append(i)
+  out: list = [None] * len(samples)
+  for size, idx in buckets.items():
+    rows = jnp.stack([jnp.pad(samples[i].astype(jnp.float32),
+                              (0, size - samples[i].shape[0]),
+                              constant_values=-jnp.inf) for i in idx])
+    target = fraction * jnp.asarray([samples[i].shape[0] for i in idx],
+                                    jnp.float32)
+    lo0 = jnp.stack([jnp.min(samples[i]) for i in idx]).astype(jnp.float32)
+    hi0 = jnp.stack([jnp.max(samples[i]) for i in idx]).astype(jnp.float32)
+
+    def body(_, bounds, rows=rows, target=target):
+      lo, hi = bounds
+      mid = 0.5 * (lo + hi)
+      keeps_enough = jnp.sum(rows >= mid[:, None], axis=1) >= target
+      return jnp.where(keeps_enough, mid, lo), jnp.where(keeps_enough, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, _BISECTION_STEPS, body, (lo0, hi0))
+    for j, i in enumerate(idx):
+      out[i] = lo[j]
+  return out
 
 
 def sampled_threshold(score: jax.Array, fraction, key: jax.Array) -> jax.Array:
   """Estimates the ``1 - fraction`` quantile of ``score`` from a sample.
 
-  Draws ``max(1024, 1% of n)`` entries (all of them for small leaves) and
-  bisects 24 times on the sample for the value above which ``fraction`` of it
-  lies: O(n) work, no sort.
+  Draws ``max(1024, 1% of n)`` entries, at most 65,536 (all of them for small
+  leaves), and bisects 24 times on the sample for the value above which
+  ``fraction`` of it lies: O(n) work, no sort.
 
   Args:
     score: a flat array of scores.
@@ -76,25 +136,7 @@ def sampled_threshold(score: jax.Array, fraction, key: jax.Array) -> jax.Array:
   Returns:
     A scalar threshold; ``score >= threshold`` keeps about ``fraction`` of it.
   """
-  n = score.shape[0]
-  m = _sample_size(n)
-  if m == n:
-    sample = score
-  else:
-    idx = jax.random.randint(key, (m,), 0, n)
-    sample = score[idx]
-  lo = jnp.min(sample)
-  hi = jnp.max(sample)
-  target = fraction * m
-
-  def body(_, bounds):
-    lo, hi = bounds
-    mid = 0.5 * (lo + hi)
-    keeps_enough = jnp.sum(sample >= mid) >= target
-    return jnp.where(keeps_enough, mid, lo), jnp.where(keeps_enough, hi, mid)
-
-  lo, _ = jax.lax.fori_loop(0, _BISECTION_STEPS, body, (lo, hi))
-  return lo
+  return bisect_thresholds([draw_sample(score, key)], fraction)[0]
 
 
 def _exact_mask(score: jax.Array, fraction, static_k: Optional[int]):
@@ -219,40 +261,69 @@ def top_k_mask(
            else [None] * len(leaves))
     freq = (treedef.flatten_up_to(state.frequency) if use_frequency
             else [None] * len(leaves))
-    key, *keys = jax.random.split(state.key, len(leaves) + 1)
+    key, sample_key = jax.random.split(state.key)
+    # One random draw for every sampled leaf (a draw per leaf would multiply
+    # the compiled program by the number of leaves).
+    sizes = [_sample_size(g.size) for g in leaves]
+    offsets = [0]
+    for g, m in zip(leaves, sizes):
+      offsets.append(offsets[-1] + (m if method == "sampled" and m < g.size else 0))
+    uniform = (jax.random.uniform(sample_key, (offsets[-1],))
+               if offsets[-1] else None)
 
-    outs, new_res, new_freq = [], [], []
-    kept = jnp.zeros((), jnp.float32)
-    total = 0
-    for g, r, f, k in zip(leaves, res, freq, keys):
+    # Phase 1: scores, and the samples of the leaves that use a threshold.
+    entries = []
+    for i, (g, r, f) in enumerate(zip(leaves, res, freq)):
       n = g.size
-      total += n
       a = g if r is None else (g + r).astype(g.dtype)
-      if n == 0 or (static_min_size is not None and n < static_min_size):
-        keep = jnp.ones(g.shape, bool)
-        kept_n = jnp.asarray(n, jnp.float32)
-      else:
-        flat = a.reshape(-1)
-        score = jnp.abs(flat).astype(jnp.float32)
+      dense = n == 0 or (static_min_size is not None and n < static_min_size)
+      score = sample = None
+      if not dense:
+        score = jnp.abs(a.reshape(-1)).astype(jnp.float32)
         if use_frequency:
           score = ((1 - frequency_weight) * score / (jnp.mean(score) + 1e-30)
                    - frequency_weight * f.reshape(-1))
+        if method == "sampled":
+          sample = draw_sample(score, uniform=(
+              None if offsets[i + 1] == offsets[i]
+              else uniform[offsets[i]:offsets[i + 1]]))
+      entries.append((g, r, f, a, dense, score, sample))
+    sampled = [e[6] for e in entries if e[6] is not None]
+    thresholds = iter(bisect_thresholds(sampled, frac) if sampled else [])
+
+    # Phase 2: masks, outputs and residuals.
+    outs, new_res, new_freq = [], [], []
+    kept = jnp.zeros((), jnp.float32)
+    total = 0
+    for g, r, f, a, dense, score, sample in entries:
+      n = g.size
+      total += n
+      if dense:
+        keep = jnp.ones(g.shape, bool)
+        kept_n = jnp.asarray(n, jnp.float32)
+      else:
         if method == "exact":
           static_k = None if dynamic_frac else math.ceil(static_fraction * n)
           keep = _exact_mask(score, frac, static_k)
           kept_n = (jnp.asarray(static_k, jnp.float32) if static_k is not None
                     else jnp.ceil(frac * n))
         else:
-          thr = sampled_threshold(score, frac, k)
-          keep = score >= thr
+          thr = next(thresholds)
+          # Entries that are exactly zero carry nothing: a mass of zeros (e.g.
+          # unused embedding rows) must not drag the threshold to 0 and be
+          # "kept" wholesale.
+          nonzero = a.reshape(-1) != 0
+          keep = (score >= thr) & nonzero
           # Estimated on a strided sample: no extra pass over the leaf.
-          kept_n = n * jnp.mean(_common.strided_sample(score, 4096) >= thr,
-                                dtype=jnp.float32)
+          kept_n = n * jnp.mean(
+              (_common.strided_sample(score, _KEPT_SAMPLE) >= thr)
+              & (_common.strided_sample(nonzero, _KEPT_SAMPLE)),
+              dtype=jnp.float32)
         keep = keep.reshape(g.shape)
         if static_min_size is None:  # traced min_size
-          dense = n < jnp.asarray(min_size)
-          keep = keep | dense
-          kept_n = jnp.where(dense, n, kept_n)
+          is_small = n < jnp.asarray(min_size)
+          keep = keep | is_small
+          kept_n = jnp.where(is_small, n, kept_n)
       out = jnp.where(keep, a, jnp.zeros_like(a))
       outs.append(out)
       if r is not None:
@@ -367,13 +438,14 @@ def ema_threshold_mask(
     total = 0
     for i, (a, r) in enumerate(zip(a_leaves, res)):
       thr = (scale * tau[i]).astype(a.dtype)
-      keep = jnp.abs(a) >= thr
+      keep = (jnp.abs(a) >= thr) & (a != 0)  # zeros carry nothing
       outs.append(jnp.where(keep, a, jnp.zeros_like(a)))
       if r is not None:
         new_res.append(jnp.where(keep, jnp.zeros_like(a), a).astype(r.dtype))
       # Estimated on a strided sample: no extra pass over the leaf.
-      kept = kept + a.size * jnp.mean(
-          jnp.abs(_common.strided_sample(a, 4096)) >= thr, dtype=jnp.float32)
+      a_s = _common.strided_sample(a, _KEPT_SAMPLE)
+      kept = kept + a.size * jnp.mean((jnp.abs(a_s) >= thr) & (a_s != 0),
+                                      dtype=jnp.float32)
       total += a.size
     new_state = EmaThresholdMaskState(
         count=optax.safe_increment(t),
