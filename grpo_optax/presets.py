@@ -138,33 +138,71 @@ def grpo(
     See the stages' docstrings.
   """
   _common.check_choice("sparsify", sparsify, SPARSIFIERS)
+  clip = _stage(clip_with_l2, max_norm=("max_norm", 1.0 if max_norm is None
+                                        else max_norm), l2=("l2", l2))
+  imp = _stage(scale_by_importance, order=("importance_order", importance_order),
+               decay=("importance_decay", importance_decay),
+               min_weight=("min_weight", min_weight),
+               max_weight=("max_weight", max_weight))
+  topk = _stage(top_k_mask, fraction=("fraction", fraction),
+                error_feedback=("error_feedback", error_feedback),
+                method=("topk_method", topk_method),
+                frequency_weight=("frequency_weight", frequency_weight),
+                min_size=("min_size", min_size),
+                warmup_steps=("sparsify_warmup_steps", sparsify_warmup_steps),
+                seed=("seed", seed))
+  threshold = _stage(ema_threshold_mask, alpha=("alpha", alpha),
+                     every=("every", every), scale=("threshold_scale",
+                                                    threshold_scale),
+                     error_feedback=("error_feedback", error_feedback))
+  adaptive_stage = _stage(
+      scale_by_nesterov_adam_rms, b1=("b1", b1), b2=("b2", b2), eps=("eps", eps),
+      eps_root=("eps_root", eps_root), adam_weight=("adam_weight", adam_weight),
+      nesterov=("nesterov", nesterov), filter_decay=("filter_decay", filter_decay),
+      mu_dtype=("mu_dtype", mu_dtype))
+  variance = _stage(
+      scale_by_variance_lr,
+      coef=("variance_coef", 0.0 if variance_coef is None else variance_coef),
+      decay=("variance_decay", variance_decay),
+      reduction=("variance_reduction", variance_reduction),
+      normalize=("variance_normalize", variance_normalize))
+  freeze = _stage(freeze_below,
+                  threshold=("freeze_threshold", 0.0 if freeze_threshold is None
+                             else freeze_threshold),
+                  decay=("freeze_decay", freeze_decay),
+                  warmup_steps=("freeze_warmup_steps", freeze_warmup_steps))
+
+  # Every knob is validated above, also those of the stages switched off.
   stages = []
   if max_norm is not None or not _common.is_static_zero(l2):
-    stages.append(clip_with_l2(
-        max_norm=float("inf") if max_norm is None else max_norm, l2=l2))
+    if max_norm is None:
+      clip = clip_with_l2(max_norm=float("inf"), l2=l2)
+    stages.append(clip)
   if importance:
-    stages.append(scale_by_importance(
-        order=importance_order, decay=importance_decay,
-        min_weight=min_weight, max_weight=max_weight))
+    stages.append(imp)
   if sparsify == "topk":
-    stages.append(top_k_mask(
-        fraction=fraction, error_feedback=error_feedback, method=topk_method,
-        frequency_weight=frequency_weight, min_size=min_size,
-        warmup_steps=sparsify_warmup_steps, seed=seed))
+    stages.append(topk)
   elif sparsify == "threshold":
-    stages.append(ema_threshold_mask(
-        alpha=alpha, every=every, scale=threshold_scale,
-        error_feedback=error_feedback))
+    stages.append(threshold)
   if adaptive:
-    stages.append(scale_by_nesterov_adam_rms(
-        b1=b1, b2=b2, eps=eps, eps_root=eps_root, adam_weight=adam_weight,
-        nesterov=nesterov, filter_decay=filter_decay, mu_dtype=mu_dtype))
+    stages.append(adaptive_stage)
   if variance_coef is not None:
-    stages.append(scale_by_variance_lr(
-        coef=variance_coef, decay=variance_decay, reduction=variance_reduction,
-        normalize=variance_normalize))
+    stages.append(variance)
   stages.append(optax.scale_by_learning_rate(learning_rate))
   if freeze_threshold is not None:
-    stages.append(freeze_below(threshold=freeze_threshold, decay=freeze_decay,
-                               warmup_steps=freeze_warmup_steps))
+    stages.append(freeze)
   return optax.chain(*stages)
+
+
+def _stage(factory, **named_args):
+  """Builds a stage; errors name the preset's argument, not the stage's."""
+  kwargs = {k: v for k, (_, v) in named_args.items()}
+  try:
+    return factory(**kwargs)
+  except (ValueError, TypeError) as e:
+    msg = str(e)
+    for inner, (outer, _) in named_args.items():
+      if msg.startswith(inner + " ") and inner != outer:
+        msg = outer + msg[len(inner):]
+        break
+    raise type(e)(f"grpo: {msg}") from None

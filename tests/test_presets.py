@@ -94,10 +94,15 @@ def test_extra_args_reach_the_stages():
 
 @pytest.mark.parametrize("kwargs,name", [
     (dict(sparsify="random"), "sparsify"), (dict(fraction=0.0), "fraction"),
-    (dict(alpha=2.0, sparsify="threshold"), "alpha"), (dict(b1=1.0), "b1"), (dict(max_norm=-1.0), "max_norm"),
-    (dict(variance_coef=-1.0), "coef"), (dict(variance_reduction="x"), "reduction"),
-    (dict(importance_order=3), "order"), (dict(topk_method="fast"), "method"),
-    (dict(adam_weight=2.0), "adam_weight"), (dict(freeze_threshold=-1.0), "threshold"),
+    (dict(alpha=2.0), "alpha"), (dict(b1=1.0), "b1"), (dict(max_norm=-1.0), "max_norm"),
+    (dict(variance_coef=-1.0), "variance_coef"),
+    (dict(variance_reduction="x"), "variance_reduction"),
+    (dict(importance_order=3), "importance_order"),
+    (dict(topk_method="fast"), "topk_method"),
+    (dict(adam_weight=2.0), "adam_weight"),
+    (dict(freeze_threshold=-1.0), "freeze_threshold"),
+    (dict(every=0, sparsify=None), "every"),
+    (dict(variance_decay=1.0, variance_coef=None), "variance_decay"),
 ])
 def test_bad_input(kwargs, name):
   with pytest.raises(ValueError, match=name):
