@@ -1,0 +1,408 @@
+"""The claims table: every numeric claim of the two articles next to our measurement.
+
+Reads the benchmark outputs (``convergence.json`` and ``ablation.json`` from
+``benchmarks.convergence``, ``savings.json`` from ``benchmarks.savings``,
+``step_time.json`` from ``benchmarks.step_time``) and writes ``claims.md``: one
+row per claim with what we measured, the setting, the command and a verdict
+(holds / does not hold / not measurable here). Every number in the table comes
+from those files; a missing file makes the rows that need it say so.
+
+Run: ``python -m benchmarks.claims [--results benchmarks/results]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any, Callable, Optional
+
+CONV = "python -m benchmarks.convergence"
+SAVINGS = "python -m benchmarks.savings"
+STEP_TIME = "python -m benchmarks.step_time"
+
+HOLDS, FAILS, NA = "holds", "does not hold", "not measurable here"
+PENDING = "pending (run the command)"
+
+
+def _load(results: str, name: str) -> Optional[dict]:
+  path = os.path.join(results, name)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _pct(x: float) -> str:
+  return f"{100 * x:.1f}%"
+
+
+def _res(conv, task, opt) -> Optional[dict]:
+  try:
+    return conv["tasks"][task]["results"][opt]
+  except (KeyError, TypeError):
+    return None
+
+
+def _mean(stats: Optional[dict]) -> Optional[float]:
+  return None if stats is None else stats.get("mean")
+
+
+class Table:
+  """Rows of (claim, source, measured, setting, command, verdict)."""
+
+  def __init__(self):
+    self.rows: list[tuple[str, ...]] = []
+
+  def add(self, claim: str, source: str, measured: str, setting: str,
+          command: str, verdict: str) -> None:
+    self.rows.append((claim, source, measured, setting, command, verdict))
+
+  def markdown(self) -> str:
+    head = ("| # | claim (article) | measured | setting | command | verdict |\n"
+            "|---|---|---|---|---|---|")
+    body = [f"| {i} | {c} ({s}) | {m} | {st} | `{cmd}` | {v} |" if cmd else
+            f"| {i} | {c} ({s}) | {m} | {st} | — | {v} |"
+            for i, (c, s, m, st, cmd, v) in enumerate(self.rows, 1)]
+    return "\n".join([head] + body)
+
+
+def steps_to_target(conv, task: str, opt: str) -> Optional[dict]:
+  """Steps to the task's target over seeds, a seed that never reaches it
+  counted as the step budget (so the mean is a lower bound when
+  ``missed > 0``)."""
+  r = _res(conv, task, opt)
+  if r is None:
+    return None
+  budget = conv["tasks"][task]["settings"]["steps"]
+  values = [budget if v is None else v for v in r["steps_to_target"]["values"]]
+  mean = sum(values) / len(values)
+  std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 \
+      if len(values) > 1 else 0.0
+  missed = len(values) - r["reached_target"]
+  return {"mean": mean, "std": std, "missed": missed, "n": len(values),
+          "text": f"{mean:.0f} ± {std:.0f}" + (
+              f" (>=; {missed}/{len(values)} seeds never reached it)"
+              if missed else "")}
+
+
+def _noise_note(a: dict, b: dict) -> str:
+  """' (within seed noise)' when two means differ by < 2 standard errors."""
+  se = (a["std"] ** 2 / a["n"] + b["std"] ** 2 / b["n"]) ** 0.5
+  return " (difference within 2 standard errors)" if abs(
+      a["mean"] - b["mean"]) < 2 * se else ""
+
+
+def fewer_iterations(table, conv, baseline: str, claimed: float, source: str):
+  """'GRPO reaches the target in ``claimed`` fewer iterations than baseline'."""
+  claim = (f"94% accuracy on CIFAR-10 in {claimed:.0%} fewer iterations than "
+           f"{'SGD' if baseline == 'sgd' else 'Adam'}")
+  g = steps_to_target(conv, "resnet", "grpo")
+  b = steps_to_target(conv, "resnet", baseline)
+  if g is None or b is None:
+    table.add(claim, source, "pending: no resnet results", "", CONV, PENDING)
+    return
+  task = conv["tasks"]["resnet"]
+  setting = (f"proxy: {task['description']}, {task['settings']['steps']} steps,"
+             f" target {task['target_text']}, lr swept per optimizer, "
+             f"{g['n']} seeds")
+  saving = 1 - g["mean"] / b["mean"]
+  measured = (f"steps to target: GRPO {g['text']}, {baseline} {b['text']}: "
+              + (f"{_pct(saving)} fewer" if saving >= 0 else
+                 f"{_pct(-saving)} more") + _noise_note(g, b))
+  if g["missed"]:
+    verdict = FAILS if saving < claimed else "inconclusive (GRPO missed the target on some seeds)"
+  elif b["missed"]:
+    verdict = HOLDS if saving >= claimed else "inconclusive (baseline missed the target on some seeds)"
+  else:
+    verdict = HOLDS if saving >= claimed else FAILS
+  table.add(claim, source, measured, setting, CONV, verdict)
+
+
+def build(results: str) -> tuple[Table, dict[str, Any]]:
+  """Builds the claims table from the JSON files under ``results``."""
+  conv = _load(results, "convergence.json")
+  abl = _load(results, "ablation.json")
+  sav = _load(results, "savings.json")
+  st = _load(results, "step_time.json")
+  t = Table()
+
+  # --- Article 000 -------------------------------------------------------
+  fewer_iterations(t, conv, "sgd", 0.40, "000 §3.3")
+  fewer_iterations(t, conv, "adam", 0.15, "000 §3.3")
+
+  # Compute time vs Adam: estimated time to target on the examples.
+  parts, verdicts = [], []
+  for task in ("resnet", "bert"):
+    g, a = _res(conv, task, "grpo"), _res(conv, task, "adam")
+    if g is None or a is None:
+      continue
+    steps = conv["tasks"][task]["settings"]["steps"]
+    gw, aw = _mean(g["wall_time_warm_s"]), _mean(a["wall_time_warm_s"])
+    gs, as_ = (steps_to_target(conv, task, "grpo"),
+               steps_to_target(conv, task, "adam"))
+    text = f"{task}: wall time per run GRPO {gw:.1f} s vs Adam {aw:.1f} s (x{gw / aw:.2f})"
+    ratio = (gw * gs["mean"]) / (aw * as_["mean"])
+    text += (f"; time to target (wall/steps x steps to target, unreached = "
+             f"budget) x{ratio:.2f} Adam's")
+    verdicts.append((task, ratio <= 0.72 and not gs["missed"]))
+    parts.append(text)
+  t.add("28-35% less compute time than Adam (ResNet-50, BERT)", "000 §3.1",
+        "; ".join(parts) or "pending: no example results",
+        "examples at benchmark size on CPU; wall time includes data, tracing "
+        "and evaluation, compilation cached", CONV,
+        PENDING if not parts else HOLDS if all(v for _, v in verdicts) else
+        FAILS if not any(v for _, v in verdicts) else
+        "; ".join(f"{HOLDS if v else FAILS} on {task}" for task, v in verdicts))
+
+  var_parts, better = [], []
+  for task, a in ((abl or {}).get("tasks") or {}).items():
+    v = a["variants"]
+    if "preset" in v and "no_variance_lr" in v:
+      p, n = v["preset"], v["no_variance_lr"]
+      ps, ns = _mean(p["steps_to_target"]), _mean(n["steps_to_target"])
+      fmt = lambda x, r: (f"{x:.0f} ({r['reached_target']}/{len(r['seeds'])})"
+                          if x is not None else "not reached")
+      var_parts.append(f"{task}: {fmt(ps, p)} with vs {fmt(ns, n)} without")
+      better.append(None if ps == ns else
+                    ps is not None and (ns is None or ps < ns))
+  t.add("the variance-based dynamic lr cuts wasted iterations (the stated "
+        "cause of the 28-35%)", "000 §2.1, §3.1",
+        "steps to target, preset with vs without the variance lr: "
+        + ("; ".join(var_parts) or "pending"),
+        "ablation at GRPO's chosen lr", CONV,
+        PENDING if not var_parts else HOLDS if all(better) else
+        f"does not hold (faster with it on {sum(b is True for b in better)} "
+        f"of {len(better)} tasks, tied on {sum(b is None for b in better)})")
+
+  if sav:
+    h = sav["bert"]["hierarchical_default"]
+    conv_b = sav.get("convergence", {}).get("bert", {})
+    refresh = conv_b.get("settings", {}).get("refresh_every")
+    ratio = h["ratio"]
+    avg = ((refresh - 1) * ratio + 1) / refresh if refresh else None
+    loss_h = conv_b.get("hierarchical_last", {}).get("held_out_loss")
+    loss_e = conv_b.get("exact", {}).get("held_out_loss")
+    quality = (f"; held-out MLM loss after {conv_b['settings']['steps']} "
+               f"steps {loss_h:.2f} vs {loss_e:.2f} exact" if loss_h else "")
+    t.add("22-30% fewer FLOPs than Adam (hierarchical gradient estimation)",
+          "000 §3.1",
+          f"skip step {_pct(1 - ratio)} fewer FLOPs than the full step"
+          + (f"; averaged over a refresh cycle of {refresh}: "
+             f"{_pct(1 - avg)} fewer" if avg else "") + quality,
+          f"4-layer BERT (d=256), MLP, norms and MLM head non-core "
+          f"({_pct(h['noncore_param_fraction'])} of params); XLA "
+          "cost_analysis", SAVINGS,
+          "FLOPs: partly (skip step in range, cycle average below); at equal "
+          "quality: " + FAILS)
+    t.add("30-50% less gradient computation while keeping performance",
+          "000 §2.2",
+          f"{_pct(1 - ratio)} fewer FLOPs on skip steps" + quality,
+          "as above", SAVINGS, FAILS)
+    d = sav["bert"]["donation"]["ratio"]
+    lw = sav["layerwise"]
+    t.add("35% less memory; one machine trains 230M instead of 150M params "
+          "(GPT-2, immediate update)", "000 §3.2",
+          f"peak bytes: donated step {_pct(1 - d)} less; layer-wise fused "
+          f"update {_pct(1 - lw['adam']['ratio'])} less with Adam "
+          f"(capacity x{1 / lw['adam']['ratio']:.2f}), "
+          f"{_pct(1 - lw['sgd_momentum']['ratio'])} with SGD+momentum, "
+          f"{_pct(1 - lw['sgd']['ratio'])} with plain SGD",
+          f"XLA memory_analysis; layer-wise: {lw['settings']['layers']} x "
+          f"d={lw['settings']['d']} layers, batch {lw['settings']['batch']}",
+          SAVINGS,
+          (HOLDS if 1 - lw["adam"]["ratio"] >= 0.35 else
+           FAILS + " with Adam (the claim's 1.53x capacity needs 35%)"
+           + ("; plain SGD exceeds it" if 1 - lw["sgd"]["ratio"] >= 0.35
+              else "")))
+  else:
+    for claim in ("22-30% fewer FLOPs (hierarchical gradients)",
+                  "30-50% less gradient computation",
+                  "35% less memory (immediate update)"):
+      t.add(claim, "000", "pending: no savings.json", "", SAVINGS, PENDING)
+
+  # --- Article 004 -------------------------------------------------------
+  rows = (st or {}).get("rows", [])
+  by = {}
+  for r in rows:
+    by.setdefault(r["optimizer"], []).append(r)
+  largest = max((r["n_params"] for r in rows), default=None)
+  pick = lambda name: next((r for r in by.get(name, [])
+                            if r["n_params"] == largest), None)
+  topk, thr, dense, adam = (pick("grpo_topk"), pick("grpo_threshold"),
+                            pick("grpo_dense"), pick("adam"))
+  if topk and adam:
+    t.add("42% less compute per iteration (adaptive sampling of a parameter "
+          "subset)", "004 §1.2",
+          f"GRPO (top-k 30%) update + apply: x{topk['ratio_to_adam']:.2f} "
+          f"Adam's time at {largest / 1e6:.0f}M params"
+          + (f"; threshold mask x{thr['ratio_to_adam']:.2f}" if thr else "")
+          + ". Masking happens after backprop, so the gradient computation "
+          "is unchanged", st["meta"]["device"], st["meta"]["command"],
+          HOLDS if topk["ratio_to_adam"] <= 0.58 else FAILS)
+  else:
+    t.add("42% less compute per iteration (adaptive sampling)", "004 §1.2",
+          "pending: no step_time.json", "", STEP_TIME, PENDING)
+
+  parts, holds = [], []
+  for task in ("resnet", "bert"):
+    g = _res(conv, task, "grpo")
+    if g is None:
+      continue
+    rates = {o: _mean(_res(conv, task, o)["explosion_rate"])
+             for o in ("grpo", "adam", "sgd") if _res(conv, task, o)}
+    parts.append(f"{task}: " + ", ".join(f"{o} {_pct(v)}" for o, v in
+                                         rates.items() if v is not None))
+    base = [v for o, v in rates.items() if o != "grpo" and v is not None]
+    holds.append(rates["grpo"] is not None and rates["grpo"] <= 0.03
+                 and bool(base) and min(base) >= 0.12)
+  t.add("gradient explosion risk under 3% (12% for traditional methods)",
+        "004 §1.3",
+        ("steps with raw gradient norm > 1.0 (the preset's max_norm): "
+         + "; ".join(parts) + ". Clipping bounds the applied update, not the "
+         "gradient") if parts else "pending: no example results",
+        "examples at benchmark size, every seed, chosen lrs", CONV,
+        (HOLDS if holds and all(holds) else FAILS) if parts else PENDING)
+
+  imp = []
+  for task, a in ((abl or {}).get("tasks") or {}).items():
+    v = a["variants"]
+    if "no_importance" in v and "preset" in v:
+      pm, nm = _mean(v["preset"]["final"]), _mean(v["no_importance"]["final"])
+      if pm is not None and nm is not None:
+        imp.append(f"{task}: {a['metric']} {pm:.4g} with vs {nm:.4g} without")
+  t.add("key-parameter update efficiency 2.3x (Taylor importance)", "004 §2.1",
+        "the articles do not define the metric. Ablation, preset with vs "
+        "without importance weighting: " + ("; ".join(imp) or "pending"),
+        "ablation at GRPO's chosen lr", CONV, NA + " (undefined metric)")
+
+  if thr and adam:
+    # step_time's bytes_per_param = 12 (read grad, read + write param) +
+    # 2 x (bytes of param-sized optimizer state per param).
+    state = lambda r: (r["bytes_per_param"] - 12) / 2
+    t.add("38% less GPU memory on BERT-base (dynamic-threshold sampling)",
+          "004 §2.2",
+          f"param-sized optimizer state: threshold-mask GRPO "
+          f"{state(thr):.0f} B/param vs Adam {state(adam):.0f} B/param; "
+          f"with params and grads {state(thr) + 8:.0f} vs "
+          f"{state(adam) + 8:.0f} B/param (x{(state(thr) + 8) / (state(adam) + 8):.2f})."
+          " The mask zeroes entries but stores dense arrays, and its "
+          "error-feedback residual is one more param-sized buffer",
+          st["meta"]["device"], st["meta"]["command"],
+          HOLDS if state(thr) + 8 <= 0.62 * (state(adam) + 8) else FAILS)
+  else:
+    t.add("38% less GPU memory on BERT-base (dynamic threshold)", "004 §2.2",
+          "pending: no step_time.json", "", STEP_TIME, PENDING)
+
+  g, a = _res(conv, "resnet", "grpo"), _res(conv, "resnet", "adam")
+  if g and a:
+    gs, as_ = (steps_to_target(conv, "resnet", "grpo"),
+               steps_to_target(conv, "resnet", "adam"))
+    speed = as_["mean"] / gs["mean"]
+    t.add("ResNet-50: converges 1.8x faster than Adam", "004 §2.3",
+          f"steps to target: Adam {as_['text']} / GRPO {gs['text']} = "
+          f"x{speed:.2f}" + _noise_note(gs, as_),
+          "proxy: ResNet-8 on digits (see convergence.md)", CONV,
+          HOLDS if speed >= 1.8 and not gs["missed"] else
+          "inconclusive (Adam missed the target on some seeds)"
+          if as_["missed"] and not gs["missed"] else FAILS)
+    ga, aa = _mean(g["final"]), _mean(a["final"])
+    diff = 100 * (ga - aa)
+    t.add("ResNet-50: final accuracy +1.2% over Adam", "004 §2.3",
+          f"held-out accuracy GRPO {100 * ga:.2f}% ± {100 * g['final']['std']:.2f}"
+          f" vs Adam {100 * aa:.2f}% ± {100 * a['final']['std']:.2f} "
+          f"({diff:+.2f} points)",
+          "proxy: ResNet-8 on digits, mean ± std over seeds", CONV,
+          HOLDS if diff >= 1.2 else FAILS)
+  else:
+    t.add("ResNet-50: 1.8x faster than Adam, +1.2% accuracy", "004 §2.3",
+          "pending: no resnet results", "", CONV, PENDING)
+
+  kept = _mean((_res(conv, "resnet", "grpo") or {}).get("grpo_kept_fraction"))
+  t.add("65% less all-reduce traffic (gradient sparsification, 175B model)",
+        "004 §3.1",
+        "sparse all-reduce not implemented yet (spec mechanism 10)"
+        + (f"; the top-k mask kept {_pct(kept)} of gradient entries on ResNet"
+           if kept is not None else ""),
+        "—", "", NA + " (no multi-device exchange)")
+  t.add("15% of nodes failing keeps 92% training efficiency", "004 §3.1",
+        "no mechanism of the articles addresses faults; no cluster here",
+        "—", "", NA)
+
+  sens = []
+  for task in ("rosenbrock", "quadratic", "logistic", "resnet", "bert"):
+    for opt in ("grpo", "adam"):
+      r = _res(conv, task, opt)
+      if r and len(r["sweep_seed0"]) > 1:
+        vals = [v["final"] for v in r["sweep_seed0"].values()
+                if v["final"] is not None]
+        if vals:
+          sens.append(f"{task} {opt} {min(vals):.3g}..{max(vals):.3g}")
+  t.add("learning-rate fluctuation range ±30% -> ±8%", "004 §3.1",
+        "undefined quantity. For reference, final metric over the lr grid "
+        "(seed 0): " + ("; ".join(sens) or "pending"),
+        "lr sweep of the convergence benchmark", CONV,
+        NA + " (undefined metric)")
+
+  if sav:
+    f = sav["bert"]["freeze_bottom_half"]["ratio"]
+    conv_b = sav.get("convergence", {}).get("bert", {})
+    fl, ex = (conv_b.get("freeze", {}).get("held_out_loss"),
+              conv_b.get("exact", {}).get("held_out_loss"))
+    t.add("41% fewer inference FLOPs at 98.7% output quality (GPT-3, dynamic "
+          "freezing)", "004 §3.2",
+          f"freezing skips weight gradients in training: step FLOPs "
+          f"{_pct(1 - f)} fewer" + (f", held-out MLM loss {fl:.2f} vs "
+                                    f"{ex:.2f}" if fl else "")
+          + "; a frozen layer still runs in inference (0% fewer inference "
+          "FLOPs)", "4-layer BERT, embeddings + bottom half frozen",
+          SAVINGS, FAILS)
+
+  lr_ratios = {}
+  for task in ("rosenbrock", "quadratic", "logistic", "resnet", "bert"):
+    g, a = _res(conv, task, "grpo"), _res(conv, task, "adam")
+    if g and a:
+      lr_ratios[task] = g["lr"] / a["lr"]
+  t.add("base learning rate 0.7x the baseline's (recommendation)", "004 §4.1",
+        "chosen GRPO lr / chosen Adam lr: " + (", ".join(
+            f"{k} {v:.2g}" for k, v in lr_ratios.items()) or "pending"),
+        "lr grids spaced about x3, so 0.7x is not resolvable",
+        CONV, NA if not lr_ratios else
+        "consistent (GRPO's best lr <= Adam's everywhere)"
+        if all(v <= 1 for v in lr_ratios.values()) else
+        "mixed: GRPO's best lr is above Adam's on some tasks")
+
+  for claim, source in (
+      ("hardware table: A100 TF32 + GRPO sampling 34%, MI250 + ROCm 28%, "
+       "cloud elastic scaling 41%", "004 §4.2"),
+      ("quantum GRPO 5-8x faster", "004 §5")):
+    t.add(claim, source, "no such hardware or method here; nothing to "
+          "measure", "—", "", NA)
+  return t, {"convergence": conv is not None, "ablation": abl is not None,
+             "savings": sav is not None, "step_time": st is not None}
+
+
+def main(argv=None) -> str:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--results", default="benchmarks/results")
+  parser.add_argument("--out", default=None,
+                      help="default: RESULTS/claims.md")
+  args = parser.parse_args(argv)
+  table, found = build(args.results)
+  missing = [k for k, v in found.items() if not v]
+  text = ("# Claims and measurements\n\n"
+          "Generated by `python -m benchmarks.claims` from the JSON files in "
+          f"`{args.results}`"
+          + (f" (missing: {', '.join(missing)})" if missing else "") + ".\n"
+          "Claims are the articles'; measurements are ours, on the settings "
+          "stated (CPU, small models: proxies for the articles' ResNet-50 / "
+          "BERT / GPT settings).\n\n" + table.markdown() + "\n")
+  out = args.out or os.path.join(args.results, "claims.md")
+  with open(out, "w") as f:
+    f.write(text)
+  print(text)
+  return text
+
+
+if __name__ == "__main__":
+  main()
