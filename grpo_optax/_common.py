@@ -15,10 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# A pytree leaf that tree maps should treat as absent (masked out by
-# ``optax.masked``-like wrappers pass ``None`` / ``optax.MaskedNode``).
-
-
 def concrete_value(value: Any) -> float | None:
   """Returns ``value`` as a Python float, or ``None`` if it is traced."""
   if isinstance(value, jax.core.Tracer):
@@ -67,15 +63,6 @@ def check_range(name: str, value: Any, low: float | None = None,
     raise ValueError(f"{name} must be in {lo}, {hi}; got {value!r}")
 
 
-def check_int(name: str, value: Any, low: int) -> int:
-  """Checks that ``value`` is a Python int >= ``low`` and returns it."""
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-  if value < low:
-    raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
-  return int(value)
-
-
 def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
   if value not in choices:
     raise ValueError(
@@ -119,13 +106,6 @@ def sum32(x: jax.Array) -> jax.Array:
 def bias_correction(decay: Any, count: jax.Array) -> jax.Array:
   """``1 - decay**count`` in float32 (``count`` already incremented)."""
   return 1 - jnp.asarray(decay, jnp.float32) ** count.astype(jnp.float32)
-
-
-def leaves_mean(values: list[jax.Array]) -> jax.Array:
-  """Mean of a list of scalars (0 for an empty list)."""
-  if not values:
-    return jnp.zeros((), jnp.float32)
-  return jnp.mean(jnp.stack([jnp.asarray(v, jnp.float32) for v in values]))
 
 
 SAMPLE_PER_LEAF = 1024

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_optax import _common
 from grpo_optax.clipping import ClipWithL2State
 from grpo_optax.freezing import FreezeBelowState
 from grpo_optax.importance import ScaleByImportanceState
@@ -34,7 +35,6 @@ _PREFIX = {
     ScaleByVarianceLrState: "variance_lr",
     FreezeBelowState: "freeze",
 }
-_SAMPLE_PER_LEAF = 1024
 
 
 def _is_variable(x) -> bool:
@@ -56,18 +56,10 @@ def find_states(opt_state, state_type=_STATE_TYPES) -> list[Any]:
 
 
 def _weight_sample(state: ScaleByImportanceState) -> jax.Array:
-  """Up to 1,024 current importance weights per leaf (strided), for histograms."""
-  parts = []
-  for s in jax.tree.leaves(state.score):
-    flat = jnp.ravel(s).astype(jnp.float32)
-    if flat.size == 0:
-      continue
-    ratio = flat / (jnp.mean(flat) + 1e-12)
-    stride = max(1, flat.size // _SAMPLE_PER_LEAF)
-    parts.append(ratio[::stride][:_SAMPLE_PER_LEAF])
-  if not parts:
-    return jnp.zeros((0,), jnp.float32)
-  return jnp.concatenate(parts)
+  """Up to 1,024 normalised importance scores per leaf (strided), for histograms."""
+  parts = [_common.strided_sample(s).astype(jnp.float32) / (
+      _common.mean32(s) + 1e-12) for s in jax.tree.leaves(state.score) if s.size]
+  return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
 
 
 def _stage_metrics(state) -> dict[str, jax.Array]:
