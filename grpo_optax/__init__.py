@@ -33,6 +33,7 @@ from grpo_optax.sparsify import ema_threshold_mask
 from grpo_optax.sparsify import top_k_mask
 from grpo_optax.variance import ScaleByVarianceLrState
 from grpo_optax.variance import scale_by_variance_lr
+from grpo_optax import training  # pylint: disable=g-bad-import-order
 
 __version__ = "0.1.0"
 
@@ -56,4 +57,5 @@ __all__ = [
     "scale_by_nesterov_adam_rms",
     "scale_by_variance_lr",
     "top_k_mask",
+    "training",
 ]
