@@ -126,6 +126,6 @@ def clip_with_l2(
     return out, ClipWithL2State(
         count=optax.safe_increment(state.count),
         clipped=clipped,
-        last_norm=norm)
+        last_norm=norm.astype(jnp.float32))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

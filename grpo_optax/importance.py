@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from grpo_optax import _common
@@ -53,12 +54,19 @@ def per_head(entropy: jax.Array, axis: int, ndim: int) -> jax.Array:
 
 
 def _static_order(order: Any) -> Optional[int]:
+  """``order`` as a Python int if given as a number, ``None`` for an array.
+
+  The order is structural (order 1 keeps no Fisher buffer), so it is decided
+  from Python numbers only: an array (e.g. injected by
+  ``optax.inject_hyperparams``, concrete or traced) keeps the buffer and is
+  read at run time, so that jitted and plain ``init`` give the same state.
+  """
   v = _common.concrete_value(order)
-  if v is None:
-    return None
-  if v not in (1.0, 2.0):
+  if v is not None and v not in (1.0, 2.0):
     raise ValueError(f"order must be in {{1, 2}}; got {order!r}")
-  return int(v)
+  if isinstance(order, (int, np.integer)) and not isinstance(order, bool):
+    return int(order)
+  return None
 
 
 def scale_by_importance(
@@ -103,7 +111,9 @@ def scale_by_importance(
   logging adds no pass over the parameters.
 
   Args:
-    order: 1 (first-order term only, no Hessian state) or 2.
+    order: 1 (first-order term only, no Hessian state) or 2. Structural: an
+      array value (as ``optax.inject_hyperparams`` passes it) keeps the
+      Fisher buffer; pass ``static_args=("order",)`` to inject the rest.
     decay: EMA decay ``d`` in [0, 1).
     min_weight: lower clip of the weights, >= 0.
     max_weight: upper clip of the weights, >= ``min_weight``.

@@ -32,7 +32,7 @@ def grpo(
     fraction: float = 0.3,
     topk_method: str = "sampled",
     error_feedback: bool = True,
-    frequency_weight: float = 0.0,
+    frequency_weight: Optional[float] = None,
     min_size: int = 0,
     sparsify_warmup_steps: int = 0,
     alpha: float = 0.7,
@@ -97,7 +97,8 @@ def grpo(
     fraction: kept fraction of the top-k mask.
     topk_method: ``"sampled"`` (default, O(n)) or ``"exact"``.
     error_feedback: carry the masked-out part to the next step.
-    frequency_weight: weight of the update-frequency term of the top-k score.
+    frequency_weight: weight of the update-frequency term of the top-k score,
+      or None (off: no frequency buffer).
     min_size: leaves smaller than this are not sparsified.
     sparsify_warmup_steps: exponential warm-up of the kept fraction.
     alpha: EMA weight of the threshold mask.

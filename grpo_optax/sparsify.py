@@ -155,7 +155,7 @@ def top_k_mask(
     fraction: float = 0.3,
     error_feedback: bool = True,
     method: str = "exact",
-    frequency_weight: float = 0.0,
+    frequency_weight: Optional[float] = None,
     min_size: int = 0,
     warmup_steps: int = 0,
     *,
@@ -180,7 +180,10 @@ def top_k_mask(
   (``method="sampled"``: O(n), keeps about ``k``; the key lives in the state).
   ``f`` is the EMA (decay ``frequency_decay``) of the kept indicator, so with
   ``frequency_weight = b > 0`` entries updated often yield to rarely updated
-  ones (the article's "update frequency" term).
+  ones (the article's "update frequency" term). ``frequency_weight=None`` (the
+  default) switches the term off and keeps no frequency buffer; any number,
+  0 included, keeps one (so that ``optax.inject_hyperparams``, which turns
+  numbers into arrays, gives the same state as the plain transform).
 
   With error feedback nothing is lost: ``sum_t out_t + r_T == sum_t g_t``.
   Leaves with ``n < min_size`` pass dense. During the first ``warmup_steps``
@@ -192,7 +195,7 @@ def top_k_mask(
     fraction: kept fraction, in (0, 1].
     error_feedback: carry the masked-out part to the next step.
     method: ``"exact"`` or ``"sampled"``.
-    frequency_weight: ``b`` in [0, 1].
+    frequency_weight: ``b`` in [0, 1], or ``None`` (off, no buffer).
     min_size: leaves smaller than this pass dense, int >= 0.
     warmup_steps: length of the sparsity warm-up, int >= 0.
     frequency_decay: EMA decay of the kept indicator, in [0, 1).
@@ -219,7 +222,8 @@ def top_k_mask(
   """
   _common.check_range("fraction", fraction, 0.0, 1.0, low_inclusive=False)
   _common.check_choice("method", method, METHODS)
-  _common.check_range("frequency_weight", frequency_weight, 0.0, 1.0)
+  if frequency_weight is not None:
+    _common.check_range("frequency_weight", frequency_weight, 0.0, 1.0)
   _common.check_range("frequency_decay", frequency_decay, 0.0, 1.0,
                       high_inclusive=False)
   static_min_size = _static_int("min_size", min_size, 0)
@@ -228,7 +232,8 @@ def top_k_mask(
   if not isinstance(error_feedback, bool):
     raise TypeError("error_feedback must be a bool")
   static_fraction = _common.concrete_value(fraction)
-  use_frequency = not _common.is_static_zero(frequency_weight)
+  # Structural choice from a static value (None or not), never from a number.
+  use_frequency = frequency_weight is not None
   fraction = _common.f32(fraction)
   frequency_weight = _common.f32(frequency_weight)
   frequency_decay = _common.f32(frequency_decay)

@@ -274,3 +274,45 @@ def test_state_serialization_roundtrip(case):
   u1, _ = update(_grads(params, 5), state, params)
   u2, _ = update(_grads(params, 5), restored, params)
   chex_equal(u1, u2)
+
+
+def _avals(tree):
+  """Shape, dtype and weak type of every leaf (what lax.cond compares)."""
+  return jax.tree.map(
+      lambda x: (jnp.shape(x), jnp.asarray(x).dtype,
+                 jax.typeof(jnp.asarray(x)).weak_type), tree)
+
+
+@cases
+def test_x64_state_avals_stable(case):
+  """float64 params under jax_enable_x64: state keeps its dtypes (issue 13)."""
+  with jax.enable_x64(True):
+    params = _params(jnp.float64)
+    tx = case.make()
+    state0 = tx.init(params)
+    update = jax.jit(tx.update)
+    state = state0
+    for i in range(2):
+      u, state = update(_grads(params, i), state, params)
+      assert _avals(state) == _avals(state0)
+      assert all(x.dtype == jnp.float64 for x in jax.tree.leaves(u))
+    grads = _grads(params, 0)
+    # optax's own optimizers allow this: both branches have equal types.
+    new_state = jax.jit(lambda pred, s: jax.lax.cond(
+        pred, lambda: tx.update(grads, s, params)[1], lambda: s))(True, state0)
+    assert _avals(new_state) == _avals(state0)
+
+
+@cases
+def test_inject_hyperparams_state_matches_plain(case):
+  """Injected and plain states: same tree structure and dtypes (issue 13)."""
+  params = _params()
+  plain = case.make().init(params)
+  injected = optax.inject_hyperparams(
+      case.factory, static_args=case.static_args)(**case.kwargs)
+  for init in (injected.init, jax.jit(injected.init)):
+    inner = init(params).inner_state
+    assert jax.tree.structure(inner) == jax.tree.structure(plain)
+    assert _dtypes(inner) == _dtypes(plain)
+  shaped = jax.eval_shape(injected.init, params).inner_state
+  assert jax.tree.structure(shaped) == jax.tree.structure(plain)

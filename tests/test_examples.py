@@ -21,6 +21,7 @@ from examples.bert_mlm import models as bert_models
 from examples.bert_mlm import train as bert_train
 from examples.common import data as data_lib
 from examples.common import optim
+from examples.common import workdir as workdir_lib
 from examples.resnet_cifar10 import main as resnet_main
 from examples.resnet_cifar10 import models as resnet_models
 from examples.resnet_cifar10 import train as resnet_train
@@ -94,6 +95,11 @@ def _two_steps_then_resume(tmp_path, main_module, train_module, argv,
   mngr.close()
   with pytest.raises(FileExistsError, match="--resume"):
     _run(main_module, train_module, argv + ["--workdir", cut])
+  # Extending a run would rebuild its cosine schedule for more steps: refused
+  # before anything is trained, naming the flag (issue 13).
+  with pytest.raises(ValueError, match=r"--steps 2 -> 4.*new --workdir"):
+    _run(main_module, train_module,
+         argv + ["--workdir", cut, "--resume", "--steps", "4"])
   got = _run(main_module, train_module, argv + ["--workdir", cut, "--resume"])
   assert got["resumed_from_step"] == 1
   assert got["train_loss_history"] == want["train_loss_history"]
@@ -259,3 +265,18 @@ def test_mask_tokens():
   changed = np.asarray(inputs != tokens)
   for row in range(2):  # Only chosen positions may change.
     assert set(np.nonzero(changed[row])[0]) <= set(np.asarray(positions[row]))
+
+
+def test_resume_config_check_names_run_defining_flags():
+  saved = {"steps": 6, "lr": 0.1, "eval_every": 2, "workdir": "a",
+           "grpo_fraction": 0.3}
+  # Where and how often a run writes or evaluates may change.
+  workdir_lib.check_resume_config(
+      saved, {**saved, "eval_every": 5, "workdir": "b", "resume": True}, "w")
+  with pytest.raises(ValueError, match=r"--steps 6 -> 12") as e:
+    workdir_lib.check_resume_config(saved, {**saved, "steps": 12}, "w")
+  assert "--lr" not in str(e.value)
+  # A knob given at the start and dropped later differs too.
+  with pytest.raises(ValueError, match=r"--grpo-fraction 0.3 -> None"):
+    workdir_lib.check_resume_config(
+        saved, {k: v for k, v in saved.items() if k != "grpo_fraction"}, "w")

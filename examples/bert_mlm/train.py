@@ -156,7 +156,8 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   """Trains BERT as the flags say; returns the dict written to metrics.json."""
   start_time = time.time()
   workdir = workdir_lib.Workdir(args.workdir, resume=args.resume,
-                                checkpoint_every=args.checkpoint_every)
+                                checkpoint_every=args.checkpoint_every,
+                                config=vars(args))
   data = input_pipeline.load(
       text_files=args.text_files, vocab_size=args.vocab_size,
       seq_len=args.seq_len, max_train=args.max_train_examples,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Any
+from typing import Any, Mapping
 
 from flax import nnx
 
@@ -13,6 +14,44 @@ from examples.common import plotting
 
 METRICS_FILE = "metrics.json"
 PLOT_FILE = "loss_curves.png"
+CONFIG_FILE = "config.json"
+
+# Flags that may change when a run is resumed: where and how often it writes,
+# evaluates and prints. Every other flag (steps, learning rate, schedule,
+# warm-up, optimizer and its knobs, batch size, seed, data, model, compiler
+# options) defines the run: the learning-rate schedule is built from --steps,
+# so resuming with another value would give a run that matches neither.
+RESUMABLE_FLAGS = frozenset({
+    "workdir", "resume", "eval_every", "checkpoint_every", "quiet",
+    "max_eval_examples", "eval_batch_size", "data_dir", "download"})
+
+
+def _flag(name: str) -> str:
+  return "--" + name.replace("_", "-")
+
+
+def check_resume_config(saved: Mapping[str, Any],
+                        current: Mapping[str, Any], path: str) -> None:
+  """Raises ``ValueError`` if a run-defining flag differs from the checkpoint's.
+
+  Args:
+    saved: the flags the run was started with (``config.json``).
+    current: the flags of the resumed invocation.
+    path: the workdir, for the message.
+  """
+  names = sorted((set(saved) | set(current)) - RESUMABLE_FLAGS)
+  diffs = [n for n in names if saved.get(n) != current.get(n)]
+  if not diffs:
+    return
+  changes = ", ".join(f"{_flag(n)} {saved.get(n)!r} -> {current.get(n)!r}"
+                      for n in diffs)
+  raise ValueError(
+      f"--resume: the run in {path} was started with other values of flags "
+      f"that define it ({changes}). Its learning-rate schedule and data order "
+      "were fixed by those flags at step 0, so continuing with new values "
+      "would match neither run. Resume with the original flags (see "
+      f"{os.path.join(path, CONFIG_FILE)}); to train longer, start a new "
+      "--workdir with the larger --steps.")
 
 
 def new_history() -> dict[str, list]:
@@ -24,11 +63,14 @@ class Workdir:
   """Writes checkpoints, TensorBoard events, ``metrics.json`` and a PNG.
 
   With ``path=None`` every method is a no-op (nothing is written) and a run
-  always starts from step 0.
+  always starts from step 0. ``config`` (the parsed flags) is written to
+  ``config.json`` when a run starts; resuming with a run-defining flag that
+  differs from it raises ``ValueError`` (see :data:`RESUMABLE_FLAGS`).
   """
 
   def __init__(self, path: str | None, *, resume: bool,
-               checkpoint_every: int = 0):
+               checkpoint_every: int = 0,
+               config: Mapping[str, Any] | None = None):
     self.path = path
     self.checkpoint_every = checkpoint_every
     self._resume = resume
@@ -42,7 +84,19 @@ class Workdir:
         raise FileExistsError(
             f"{path} already holds checkpoints (up to step {latest}); pass "
             "--resume to continue that run, or choose another --workdir.")
+      if config is not None:
+        self._check_or_write_config(dict(config), resuming=latest is not None)
     self.writer = metrics_lib.MetricsWriter(path)
+
+  def _check_or_write_config(self, config: dict[str, Any], *,
+                             resuming: bool) -> None:
+    config_path = os.path.join(self.path, CONFIG_FILE)
+    if resuming and os.path.exists(config_path):
+      with open(config_path) as f:
+        check_resume_config(json.load(f), config, self.path)
+      return
+    with open(config_path, "w") as f:
+      json.dump(config, f, indent=1, sort_keys=True)
 
   def restore(self, model: nnx.Module, optimizer: nnx.Optimizer
               ) -> tuple[int, dict[str, list]]:

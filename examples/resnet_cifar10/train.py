@@ -103,7 +103,8 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   """Trains a ResNet as the flags say; returns the dict written to metrics.json."""
   start_time = time.time()
   workdir = workdir_lib.Workdir(args.workdir, resume=args.resume,
-                                checkpoint_every=args.checkpoint_every)
+                                checkpoint_every=args.checkpoint_every,
+                                config=vars(args))
   dataset = load_dataset(args)
   augment = (args.dataset == "cifar10") if args.augment is None else args.augment
   init_key, step_base = data_lib.init_and_step_keys(args.seed)
