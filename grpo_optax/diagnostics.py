@@ -16,7 +16,9 @@ import numpy as np
 
 from grpo_optax import _common
 from grpo_optax.clipping import ClipWithL2State
+from grpo_optax import fused
 from grpo_optax.freezing import FreezeBelowState
+from grpo_optax.fused import GrpoState
 from grpo_optax.importance import ScaleByImportanceState
 from grpo_optax.momentum import ScaleByNesterovAdamRmsState
 from grpo_optax.sparsify import EmaThresholdMaskState
@@ -25,7 +27,7 @@ from grpo_optax.variance import ScaleByVarianceLrState
 
 _STATE_TYPES = (ClipWithL2State, ScaleByImportanceState, TopKMaskState,
                 EmaThresholdMaskState, ScaleByNesterovAdamRmsState,
-                ScaleByVarianceLrState, FreezeBelowState)
+                ScaleByVarianceLrState, FreezeBelowState, GrpoState)
 _PREFIX = {
     ClipWithL2State: "clip",
     ScaleByImportanceState: "importance",
@@ -34,6 +36,7 @@ _PREFIX = {
     ScaleByNesterovAdamRmsState: "adaptive",
     ScaleByVarianceLrState: "variance_lr",
     FreezeBelowState: "freeze",
+    GrpoState: "grpo",
 }
 
 
@@ -55,6 +58,16 @@ def find_states(opt_state, state_type=_STATE_TYPES) -> list[Any]:
           if isinstance(x, state_type)]
 
 
+def _score_ratios(score) -> list[tuple[int, jax.Array]]:
+  """Per leaf: (size, strided sample of S / mean(S)), the mean from the sample."""
+  out = []
+  for s in jax.tree.leaves(score):
+    if s.size:
+      smp = _common.strided_sample(s).astype(jnp.float32)
+      out.append((s.size, smp / (jnp.mean(smp) + 1e-12)))
+  return out
+
+
 def _weight_sample(state: ScaleByImportanceState) -> jax.Array:
   """Up to 1,024 normalised importance scores per leaf (strided), for histograms."""
   parts = [_common.strided_sample(s).astype(jnp.float32) / (
@@ -62,8 +75,59 @@ def _weight_sample(state: ScaleByImportanceState) -> jax.Array:
   return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
 
 
+def _size_weighted(pairs, fn) -> jax.Array:
+  total = sum(n for n, _ in pairs)
+  return sum((n * jnp.mean(fn(x)) for n, x in pairs),
+             jnp.zeros((), jnp.float32)) / max(total, 1)
+
+
+def _grpo_metrics(state: GrpoState) -> dict[str, jax.Array]:
+  """Metrics of the one-pass preset, under the chain stages' keys."""
+  st = state.stats
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  out = {}
+  if st.clipped is not None:
+    out.update({"clip/clip_rate": f32(st.clipped) / jnp.maximum(
+        f32(state.count), 1.0), "clip/clipped_steps": st.clipped,
+                "clip/grad_norm": st.grad_norm})
+  if state.score is not None:
+    # Computed here, not in the update: S / mean(S) (bias corrections cancel)
+    # on strided samples, clipped to the weight range.
+    pairs = _score_ratios(state.score)
+    lo, hi = st.weight_bounds[0], st.weight_bounds[1]
+    w_mean = _size_weighted(pairs, lambda r: jnp.clip(r, lo, hi))
+    w_sq = _size_weighted(pairs, lambda r: jnp.clip(r, lo, hi) ** 2)
+    r_mean = _size_weighted(pairs, lambda r: r)
+    r_sq = _size_weighted(pairs, lambda r: r * r)
+    out.update({
+        "importance/weight_mean": jnp.where(state.count > 0, w_mean, 1.0),
+        "importance/weight_std": jnp.sqrt(jnp.maximum(w_sq - w_mean ** 2, 0.)),
+        "importance/score_std": jnp.sqrt(jnp.maximum(r_sq - r_mean ** 2, 0.)),
+        "importance/weights": (jnp.concatenate([r for _, r in pairs]) if pairs
+                               else jnp.zeros((0,), jnp.float32))})
+  if st.kept_fraction is not None:
+    prefix = "threshold" if state.tau is not None else "topk"
+    out[f"{prefix}/kept_fraction"] = st.kept_fraction
+    res = fused.residual(state)
+    if res is not None:
+      out[f"{prefix}/residual_norm"] = jnp.sqrt(sum(
+          (jnp.sum(jnp.square(x.astype(jnp.float32)))
+           for x in jax.tree.leaves(res)), jnp.zeros((), jnp.float32)))
+    if st.tau_mean is not None:
+      out["threshold/tau_mean"] = st.tau_mean
+  if st.variance is not None:
+    out.update({"variance_lr/variance": st.variance,
+                "variance_lr/lr_scale": st.lr_scale})
+  if state.freeze is not None:
+    out.update({f"freeze/{k}": v
+                for k, v in _stage_metrics(state.freeze).items()})
+  return out
+
+
 def _stage_metrics(state) -> dict[str, jax.Array]:
   f32 = lambda x: jnp.asarray(x, jnp.float32)
+  if isinstance(state, GrpoState):
+    return _grpo_metrics(state)
   if isinstance(state, ClipWithL2State):
     return {"clip_rate": f32(state.clipped) / jnp.maximum(f32(state.count), 1.0),
             "clipped_steps": state.clipped, "grad_norm": state.last_norm}
@@ -123,7 +187,10 @@ def metrics(opt_state) -> dict[str, jax.Array]:
       prefix = f"{prefix}_{counter.get(prefix, 0)}"
       counter[_PREFIX[type(s)]] = counter.get(_PREFIX[type(s)], 0) + 1
     for k, v in _stage_metrics(s).items():
-      out[f"{prefix}/{k}"] = v
+      # The one-pass preset reports under the chain stages' own prefixes.
+      key = (f"{prefix}:{k}" if seen[_PREFIX[type(s)]] > 1 else k) if (
+          isinstance(s, GrpoState)) else f"{prefix}/{k}"
+      out[key] = v
   return out
 
 
@@ -141,7 +208,9 @@ def frozen_mask(opt_state) -> Any:
   Raises:
     ValueError: if the state has no or several ``freeze_below`` stages.
   """
-  states = find_states(opt_state, FreezeBelowState)
+  states = [s.freeze if isinstance(s, GrpoState) else s
+            for s in find_states(opt_state, (FreezeBelowState, GrpoState))
+            if not (isinstance(s, GrpoState) and s.freeze is None)]
   if len(states) != 1:
     raise ValueError(
         "frozen_mask: expected exactly one freeze_below stage in opt_state,"
@@ -168,11 +237,15 @@ def importance_converged(opt_state, std_below: float = 0.05) -> jax.Array:
   """
   if not std_below > 0:
     raise ValueError(f"std_below must be in (0, inf); got {std_below!r}")
-  states = find_states(opt_state, ScaleByImportanceState)
+  states = [s for s in find_states(opt_state, (ScaleByImportanceState,
+                                                GrpoState))
+            if not (isinstance(s, GrpoState) and s.score is None)]
   if not states:
-    raise ValueError("importance_converged: no scale_by_importance stage in"
-                     " opt_state")
+    raise ValueError("importance_converged: no scale_by_importance stage (or"
+                     " grpo with importance) in opt_state")
   ok = jnp.asarray(True)
   for s in states:
-    ok = ok & (s.count > 0) & (s.score_std < std_below)
+    std = (s.score_std if isinstance(s, ScaleByImportanceState)
+           else _grpo_metrics(s)["importance/score_std"])
+    ok = ok & (s.count > 0) & (std < std_below)
   return ok

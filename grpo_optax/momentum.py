@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from grpo_optax import _common
+from grpo_optax import _formulas
 
 
 class ScaleByNesterovAdamRmsState(NamedTuple):
@@ -35,6 +36,7 @@ def scale_by_nesterov_adam_rms(
     nesterov: bool = True,
     filter_decay: Optional[float] = None,
     mu_dtype: Optional[Any] = None,
+    rms_bias_correction: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Mixes a (Nesterov-)Adam update with an RMSProp update sharing one ``nu``.
 
@@ -67,6 +69,8 @@ def scale_by_nesterov_adam_rms(
     nesterov: whether Adam uses Nesterov's look-ahead (NAdam).
     filter_decay: decay of the noise filter in [0, 1), or ``None`` for no filter.
     mu_dtype: optional dtype of the first moment (e.g. ``jnp.bfloat16``).
+    rms_bias_correction: divide RMSProp's ``nu`` by ``1 - b2^(t+1)`` as
+      Adam does (off: exactly ``optax.scale_by_rms``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -100,6 +104,9 @@ def scale_by_nesterov_adam_rms(
                         high_inclusive=False)
   if not isinstance(nesterov, bool):
     raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
+  if not isinstance(rms_bias_correction, bool):
+    raise TypeError("rms_bias_correction must be a bool, got "
+                    f"{type(rms_bias_correction).__name__}")
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
   b1 = _common.f32(b1)
@@ -133,22 +140,25 @@ def scale_by_nesterov_adam_rms(
 
     mu = optax.tree.update_moment(g, state.mu, b1, 1)
     nu = optax.tree.update_moment_per_elem_norm(g, state.nu, b2, 2)
+    bc1 = _formulas.bias_correction(b1, count_inc)
+    bc2 = _formulas.bias_correction(b2, count_inc)
     if nesterov:
+      bc1_next = _formulas.bias_correction(
+          b1, optax.safe_increment(count_inc))
       mu_hat = jax.tree.map(
-          lambda m, gi: b1 * m + (1 - b1) * gi,
-          optax.tree.bias_correction(mu, b1, optax.safe_increment(count_inc)),
-          optax.tree.bias_correction(g, b1, count_inc))
+          lambda m, gi: _formulas.nesterov_moment(
+              m, gi, b1, bc1.astype(m.dtype), bc1_next.astype(m.dtype)), mu, g)
     else:
-      mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
-    nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
+      mu_hat = jax.tree.map(lambda m: m / bc1.astype(m.dtype), mu)
 
-    def mix(m_hat, v_hat, v, gi):
-      adam = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
-      rms = gi * (1 / (jnp.sqrt(v) + eps))
-      out = adam_weight * adam + (1 - adam_weight) * rms
+    def mix(m_hat, v, gi):
+      v_hat = v / bc2.astype(v.dtype)
+      out = _formulas.adam_rms_mix(m_hat, v_hat,
+                                   v_hat if rms_bias_correction else v, gi,
+                                   eps, eps_root, adam_weight)
       return out.astype(gi.dtype)
 
-    out = jax.tree.map(mix, mu_hat, nu_hat, nu, g)
+    out = jax.tree.map(mix, mu_hat, nu, g)
     mu = optax.tree.cast(mu, mu_dtype) if mu_dtype is not None else (
         optax.tree.cast_like(mu, state.mu))
     nu = optax.tree.cast_like(nu, state.nu)

@@ -7,6 +7,7 @@ from typing import Any, Optional, Union
 import optax
 
 from grpo_optax import _common
+from grpo_optax import fused as fused_lib
 from grpo_optax.clipping import clip_with_l2
 from grpo_optax.freezing import freeze_below
 from grpo_optax.importance import scale_by_importance
@@ -16,6 +17,7 @@ from grpo_optax.sparsify import top_k_mask
 from grpo_optax.variance import scale_by_variance_lr
 
 SPARSIFIERS = ("topk", "threshold", None)
+PLACEMENTS = fused_lib.PLACEMENTS
 
 
 def grpo(
@@ -26,6 +28,7 @@ def grpo(
     importance: bool = True,
     importance_order: int = 2,
     importance_decay: float = 0.9,
+    importance_placement: str = "input",
     min_weight: float = 0.1,
     max_weight: float = 10.0,
     sparsify: Optional[str] = "topk",
@@ -45,16 +48,19 @@ def grpo(
     eps_root: float = 0.0,
     adam_weight: float = 0.5,
     nesterov: bool = True,
+    rms_bias_correction: bool = False,
     filter_decay: Optional[float] = None,
     mu_dtype: Optional[Any] = None,
     variance_coef: Optional[float] = 0.1,
     variance_decay: float = 0.99,
     variance_reduction: str = "leaf",
     variance_normalize: bool = False,
+    variance_eps: float = 1e-12,
     freeze_threshold: Optional[float] = None,
     freeze_decay: float = 0.9,
     freeze_warmup_steps: int = 100,
     seed: int = 0,
+    fused: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The GRPO optimizer: every mechanism of the two articles, in one chain.
 
@@ -139,6 +145,13 @@ def grpo(
     See the stages' docstrings.
   """
   _common.check_choice("sparsify", sparsify, SPARSIFIERS)
+  _common.check_choice("importance_placement", importance_placement,
+                       PLACEMENTS)
+  for name, value in (("fused", fused), ("importance", importance),
+                      ("adaptive", adaptive),
+                      ("rms_bias_correction", rms_bias_correction)):
+    if not isinstance(value, bool):
+      raise TypeError(f"grpo: {name} must be a bool, got {value!r}")
   clip = _stage(clip_with_l2, max_norm=("max_norm", 1.0 if max_norm is None
                                         else max_norm), l2=("l2", l2))
   imp = _stage(scale_by_importance, order=("importance_order", importance_order),
@@ -159,12 +172,15 @@ def grpo(
   adaptive_stage = _stage(
       scale_by_nesterov_adam_rms, b1=("b1", b1), b2=("b2", b2), eps=("eps", eps),
       eps_root=("eps_root", eps_root), adam_weight=("adam_weight", adam_weight),
-      nesterov=("nesterov", nesterov), filter_decay=("filter_decay", filter_decay),
+      nesterov=("nesterov", nesterov),
+      rms_bias_correction=("rms_bias_correction", rms_bias_correction),
+      filter_decay=("filter_decay", filter_decay),
       mu_dtype=("mu_dtype", mu_dtype))
   variance = _stage(
       scale_by_variance_lr,
       coef=("variance_coef", 0.0 if variance_coef is None else variance_coef),
       decay=("variance_decay", variance_decay),
+      eps=("variance_eps", variance_eps),
       reduction=("variance_reduction", variance_reduction),
       normalize=("variance_normalize", variance_normalize))
   freeze = _stage(freeze_below,
@@ -172,14 +188,31 @@ def grpo(
                              else freeze_threshold),
                   decay=("freeze_decay", freeze_decay),
                   warmup_steps=("freeze_warmup_steps", freeze_warmup_steps))
-
   # Every knob is validated above, also those of the stages switched off.
+
+  if fused and not _needs_chain(sparsify, topk_method, frequency_weight,
+                                adaptive, filter_decay):
+    return fused_lib.one_pass(
+        learning_rate, max_norm=max_norm, l2=l2, importance=importance,
+        importance_order=importance_order, importance_decay=importance_decay,
+        importance_placement=importance_placement, min_weight=min_weight,
+        max_weight=max_weight, sparsify=sparsify, fraction=fraction,
+        error_feedback=error_feedback, min_size=min_size,
+        sparsify_warmup_steps=sparsify_warmup_steps, alpha=alpha, every=every,
+        threshold_scale=threshold_scale, b1=b1, b2=b2, eps=eps,
+        eps_root=eps_root, adam_weight=adam_weight, nesterov=nesterov,
+        rms_bias_correction=rms_bias_correction, mu_dtype=mu_dtype,
+        variance_coef=variance_coef, variance_reduction=variance_reduction,
+        variance_normalize=variance_normalize, variance_eps=variance_eps,
+        freeze_threshold=freeze_threshold, freeze_decay=freeze_decay,
+        freeze_warmup_steps=freeze_warmup_steps, seed=seed)
+
   stages = []
   if max_norm is not None or not _common.is_static_zero(l2):
     if max_norm is None:
       clip = clip_with_l2(max_norm=float("inf"), l2=l2)
     stages.append(clip)
-  if importance:
+  if importance and importance_placement == "input":
     stages.append(imp)
   if sparsify == "topk":
     stages.append(topk)
@@ -187,12 +220,22 @@ def grpo(
     stages.append(threshold)
   if adaptive:
     stages.append(adaptive_stage)
+  if importance and importance_placement == "output":
+    stages.append(imp)
   if variance_coef is not None:
     stages.append(variance)
   stages.append(optax.scale_by_learning_rate(learning_rate))
   if freeze_threshold is not None:
     stages.append(freeze)
   return optax.chain(*stages)
+
+
+def _needs_chain(sparsify, topk_method, frequency_weight, adaptive,
+                 filter_decay) -> bool:
+  """Settings the one-pass form does not cover (they keep extra state)."""
+  return ((sparsify == "topk" and topk_method == "exact")
+          or frequency_weight is not None or not adaptive
+          or filter_decay is not None)
 
 
 def _stage(factory, **named_args):

@@ -50,7 +50,8 @@ class EmaThresholdMaskState(NamedTuple):
   kept_fraction: jax.Array
 
 
-def _static_int(name, value, low):
+def static_int(name, value, low):
+  """``value`` as a Python int (validated), or None if it is traced."""
   v = _common.concrete_value(value)
   if v is None:
     return None
@@ -59,7 +60,8 @@ def _static_int(name, value, low):
   return int(v)
 
 
-def _sample_size(n: int) -> int:
+def sample_size(n: int) -> int:
+  """Size of the random sample of the sampled threshold for a leaf of ``n``."""
   return min(n, max(_MIN_SAMPLE, min(_MAX_SAMPLE, math.ceil(_SAMPLE_RATE * n))))
 
 
@@ -72,22 +74,48 @@ def draw_sample(score: jax.Array, key: Optional[jax.Array] = None, *,
   random draw can serve all leaves).
   """
   n = score.shape[0]
-  m = _sample_size(n)
+  m = sample_size(n)
   if m == n:
     return score
   if uniform is None:
     uniform = jax.random.uniform(key, (m,))
-  idx = jnp.minimum((uniform * n).astype(jnp.int32), n - 1)
-  return score[idx]
+  return score[sample_positions(n, uniform)]
+
+
+def strided_positions(n: int, m: int, start: jax.Array) -> jax.Array:
+  """``m`` distinct positions in ``[0, n)``: every s-th from a random start.
+
+  ``s`` is the smallest integer >= n / m that is coprime with ``n``, so the
+  positions wrap around without repeating and visit every residue class of
+  any divisor of ``n`` (every column of a row-major matrix) about equally.
+
+  Args:
+    n: the leaf's size.
+    m: the sample size, ``m <= n``.
+    start: a uniform [0, 1) scalar; the first position is ``floor(start n)``.
+  """
+  stride = max(1, n // m)
+  while math.gcd(stride, n) != 1:
+    stride += 1
+  first = jnp.minimum((start * n).astype(jnp.int32), n - 1)
+  steps = jnp.arange(m, dtype=jnp.int32) * stride % n
+  return (first + steps) % n
+
+
+def sample_positions(n: int, uniform: jax.Array) -> jax.Array:
+  """Positions in ``[0, n)`` from uniform [0, 1) numbers (one per sample)."""
+  return jnp.minimum((uniform * n).astype(jnp.int32), n - 1)
 
 
 def bisect_thresholds(samples: list[jax.Array], fraction) -> list[jax.Array]:
   """For each sample, the value above which ``fraction`` of it lies.
 
   24 bisection steps between the sample's min and max, counting entries
-  ``>= mid``: O(m) per step and no sort. Samples are grouped by padded size
-  (powers of two, padding with -inf) so that one loop serves many leaves:
-  the compiled program stays small however many leaves the model has.
+  ``>= mid``: O(m) per step and no sort. All samples share one loop whose
+  carry holds one ``(lo, hi)`` pair per sample, and each sample is counted by
+  its own reduction: the compiled kernels then depend on the samples' sizes
+  only, so XLA compiles one per size, not one per leaf (slicing per-leaf
+  values out of a stacked vector would make every leaf's kernels distinct).
 
   Args:
     samples: flat float arrays.
@@ -96,29 +124,23 @@ def bisect_thresholds(samples: list[jax.Array], fraction) -> list[jax.Array]:
   Returns:
     One scalar threshold per sample.
   """
-  buckets: dict[int, list[int]] = {}
-  for i, smp in enumerate(samples):
-    buckets.setdefault(1 << max(0, (smp.shape[0] - 1).bit_length()), []).append(i)
-  out: list = [None] * len(samples)
-  for size, idx in buckets.items():
-    rows = jnp.stack([jnp.pad(samples[i].astype(jnp.float32),
-                              (0, size - samples[i].shape[0]),
-                              constant_values=-jnp.inf) for i in idx])
-    target = fraction * jnp.asarray([samples[i].shape[0] for i in idx],
-                                    jnp.float32)
-    lo0 = jnp.stack([jnp.min(samples[i]) for i in idx]).astype(jnp.float32)
-    hi0 = jnp.stack([jnp.max(samples[i]) for i in idx]).astype(jnp.float32)
+  if not samples:
+    return []
+  samples = [x.astype(jnp.float32) for x in samples]
+  targets = [fraction * x.shape[0] for x in samples]
 
-    def body(_, bounds, rows=rows, target=target):
-      lo, hi = bounds
+  def body(_, bounds):
+    out = []
+    for x, target, (lo, hi) in zip(samples, targets, bounds):
       mid = 0.5 * (lo + hi)
-      keeps_enough = jnp.sum(rows >= mid[:, None], axis=1) >= target
-      return jnp.where(keeps_enough, mid, lo), jnp.where(keeps_enough, hi, mid)
+      keeps_enough = jnp.sum(x >= mid, dtype=jnp.float32) >= target
+      out.append((jnp.where(keeps_enough, mid, lo),
+                  jnp.where(keeps_enough, hi, mid)))
+    return out
 
-    lo, _ = jax.lax.fori_loop(0, _BISECTION_STEPS, body, (lo0, hi0))
-    for j, i in enumerate(idx):
-      out[i] = lo[j]
-  return out
+  bounds = jax.lax.fori_loop(0, _BISECTION_STEPS, body,
+                             [(jnp.min(x), jnp.max(x)) for x in samples])
+  return [lo for lo, _ in bounds]
 
 
 def sampled_threshold(score: jax.Array, fraction, key: jax.Array) -> jax.Array:
@@ -226,9 +248,9 @@ def top_k_mask(
     _common.check_range("frequency_weight", frequency_weight, 0.0, 1.0)
   _common.check_range("frequency_decay", frequency_decay, 0.0, 1.0,
                       high_inclusive=False)
-  static_min_size = _static_int("min_size", min_size, 0)
-  static_warmup = _static_int("warmup_steps", warmup_steps, 0)
-  _static_int("seed", seed, 0)
+  static_min_size = static_int("min_size", min_size, 0)
+  static_warmup = static_int("warmup_steps", warmup_steps, 0)
+  static_int("seed", seed, 0)
   if not isinstance(error_feedback, bool):
     raise TypeError("error_feedback must be a bool")
   static_fraction = _common.concrete_value(fraction)
@@ -269,7 +291,7 @@ def top_k_mask(
     key, sample_key = jax.random.split(state.key)
     # One random draw for every sampled leaf (a draw per leaf would multiply
     # the compiled program by the number of leaves).
-    sizes = [_sample_size(g.size) for g in leaves]
+    sizes = [sample_size(g.size) for g in leaves]
     offsets = [0]
     for g, m in zip(leaves, sizes):
       offsets.append(offsets[-1] + (m if method == "sampled" and m < g.size else 0))
@@ -398,7 +420,7 @@ def ema_threshold_mask(
     <https://arxiv.org/abs/2007.14469>`_, 2020.
   """
   _common.check_range("alpha", alpha, 0.0, 1.0, low_inclusive=False)
-  _static_int("every", every, 1)
+  static_int("every", every, 1)
   _common.check_range("scale", scale, 0.0)
   if not isinstance(error_feedback, bool):
     raise TypeError("error_feedback must be a bool")
