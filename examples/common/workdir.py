@@ -13,6 +13,7 @@ from examples.common import plotting
 
 METRICS_FILE = "metrics.json"
 PLOT_FILE = "loss_curves.png"
+PANELS_FILE = "curves.png"
 
 
 def new_history() -> dict[str, list]:
@@ -76,14 +77,25 @@ class Workdir:
 
   def finish(self, summary: dict[str, Any], *, title: str,
              reference: float | None = None,
-             reference_label: str = "", log_y: bool = False) -> None:
-    """Writes ``metrics.json`` and the loss plot; closes writers."""
+             reference_label: str = "", log_y: bool = False,
+             panels: dict[str, list] | None = None,
+             panel_references: dict[str, float] | None = None) -> None:
+    """Writes ``metrics.json`` and the plot; closes writers.
+
+    The plot is the loss curves (``PLOT_FILE``), or, when ``panels``
+    (``{name: [(step, value), ...]}``) is given, one panel per curve
+    (``PANELS_FILE``).
+    """
     self.writer.close()
     if self._checkpointer is not None:
       self._checkpointer.close()
     if not self.path:
       return
     metrics_lib.write_json(os.path.join(self.path, METRICS_FILE), summary)
+    if panels is not None:
+      plotting.plot_panels(panels, os.path.join(self.path, PANELS_FILE),
+                           title=title, references=panel_references)
+      return
     plotting.plot_loss_curves(
         summary["train_loss_history"], summary["eval_history"],
         os.path.join(self.path, PLOT_FILE), title=title, reference=reference,
