@@ -1,10 +1,17 @@
 """Flags of the RL example; ``python -m examples.rl_sum_to_target --help``.
 
-With no flags: a tiny causal transformer learns, by group relative policy
-optimisation (``grpo_optax.rl``, DeepSeek's RL loss) from a binary reward
-only, to write 3 digits that sum to a target 0..27 given as the prompt; 16
-completions per prompt; prints the sampled mean reward (chance: 1/28) and how
-many of the 28 targets greedy decoding solves.
+With no flags: a tiny causal transformer (2 layers, hidden 64) learns, by
+group relative policy optimisation (``grpo_optax.rl``, DeepSeek's RL loss,
+the ``"grpo"`` preset: group-normalised advantages, clip 0.2, k3 KL to the
+initial policy with beta 0.04) from a binary reward only, to write 3 digits
+that sum to a target 0..27 given as the prompt. Each step takes
+``--batch-size`` 56 prompts (every target twice) and samples ``--group-size``
+16 completions for each; 200 steps of Adam (lr 3e-3, cosine). Prints the
+sampled mean reward (chance: 1/28) and how many of the 28 targets greedy
+decoding solves.
+
+Adam is the default optimizer: any of ``--optimizer grpo|adam|...`` works
+(``grpo`` is this package's unrelated optimizer preset).
 """
 
 from __future__ import annotations
@@ -48,7 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   model.add_argument("--num-layers", type=int, default=2)
   model.add_argument("--num-heads", type=int, default=4)
   model.add_argument("--ffn", type=int, default=128)
-  flags.add_training_flags(parser, steps=200, batch_size=28, eval_every=50,
+  model.add_argument("--value-embedding",
+                     action=argparse.BooleanOptionalAction, default=True,
+                     help="Add to each token's embedding a learned vector "
+                     "times the number it stands for.")
+  flags.add_training_flags(parser, steps=200, batch_size=56, eval_every=50,
                            default_optimizer="adam")
   args = parser.parse_args(argv)
   flags.check_common_args(parser, args)

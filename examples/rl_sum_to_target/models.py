@@ -32,6 +32,16 @@ def prompt_tokens(targets: jax.Array) -> jax.Array:
   return (jnp.asarray(targets, jnp.int32) + TARGET_OFFSET)[:, None]
 
 
+def token_values(tokens: jax.Array) -> jax.Array:
+  """The number a token stands for, scaled to [0, 1]: digit d -> d / 9,
+  target s -> s / 27."""
+  tokens = jnp.asarray(tokens)
+  is_digit = tokens < TARGET_OFFSET
+  return jnp.where(is_digit, tokens / (DIGIT_VOCAB - 1),
+                   (tokens - TARGET_OFFSET) / (NUM_TARGETS - 1)
+                   ).astype(jnp.float32)
+
+
 def rewards(targets: jax.Array, completions: jax.Array) -> jax.Array:
   """1.0 where the ``[B, 3]`` digits sum to the ``[B]`` targets, else 0.0."""
   return (jnp.sum(completions, axis=-1) == targets).astype(jnp.float32)
@@ -53,6 +63,7 @@ class PolicyConfig:
   num_layers: int = 2
   num_heads: int = 4
   ffn: int = 128
+  value_embedding: bool = True
 
   def __post_init__(self):
     for name in ("hidden", "num_layers", "num_heads", "ffn"):
@@ -109,6 +120,8 @@ class SumPolicy(nnx.Module):
   def __init__(self, config: PolicyConfig, *, rngs: nnx.Rngs):
     self.config = config
     self.tok_embed = nnx.Embed(INPUT_VOCAB, config.hidden, rngs=rngs)
+    self.value_embed = nnx.Linear(1, config.hidden, use_bias=False,
+                                  rngs=rngs) if config.value_embedding else None
     self.pos_embed = nnx.Embed(NUM_DIGITS + 1, config.hidden, rngs=rngs)
     self.layers = nnx.List([Block(config, rngs=rngs)
                             for _ in range(config.num_layers)])
@@ -119,6 +132,8 @@ class SumPolicy(nnx.Module):
   def __call__(self, tokens):
     length = tokens.shape[1]
     x = self.tok_embed(tokens) + self.pos_embed(jnp.arange(length))[None]
+    if self.value_embed is not None:
+      x = x + self.value_embed(token_values(tokens)[..., None])
     for layer in self.layers:
       x = layer(x)
     return self.head(self.ln_f(x)).astype(jnp.float32)

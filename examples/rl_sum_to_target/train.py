@@ -145,7 +145,8 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   config = main_lib.loss_config(args)
   policy_config = models.PolicyConfig(hidden=args.hidden,
                                       num_layers=args.num_layers,
-                                      num_heads=args.num_heads, ffn=args.ffn)
+                                      num_heads=args.num_heads, ffn=args.ffn,
+                                      value_embedding=args.value_embedding)
   init_key, _ = data_lib.init_and_step_keys(args.seed)
   make_model = lambda rngs: models.SumPolicy(policy_config, rngs=rngs)
   model, optimizer = optim.create_model_and_optimizer(

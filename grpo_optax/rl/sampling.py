@@ -134,7 +134,7 @@ def sample(model: Any, prompts: jax.Array, *, max_new_tokens: int,
     if greedy:
       new = jnp.argmax(logits, axis=-1)
     else:
-      scaled = losses._float32(logits) / temperature  # pylint: disable=protected-access
+      scaled = losses._scaled_logits(logits, temperature)  # pylint: disable=protected-access
       new = jax.random.categorical(jax.random.fold_in(key, t), scaled)
     new = new.astype(jnp.int32)
     log_prob = losses.token_log_probs(logits, new, temperature)
