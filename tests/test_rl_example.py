@@ -46,11 +46,11 @@ def test_task_rewards_and_chance():
 
 
 def test_two_steps_and_exact_resume(tmp_path):
-  """grpo preset (a frozen reference, beta > 0), two inner steps, the grpo
-  optimizer (state with PRNG keys): cut back to step 1 and resumed, the run
-  equals the uninterrupted one bit for bit."""
-  argv = _TINY + ["--optimizer", "grpo", "--inner-steps", "2", "--steps", "2",
-                  "--checkpoint-every", "1", "--eval-every", "1"]
+  """The defaults (grpo loss preset: a frozen reference, beta > 0; Adam):
+  cut back to step 1 and resumed, the run equals the uninterrupted one bit
+  for bit (samples, rewards, curves, parameters, optimizer state)."""
+  argv = _TINY + ["--steps", "2", "--checkpoint-every", "1",
+                  "--eval-every", "1"]
   full = str(tmp_path / "full")
   want = _run(argv + ["--workdir", full])
   with open(os.path.join(full, "metrics.json")) as f:
@@ -59,6 +59,7 @@ def test_two_steps_and_exact_resume(tmp_path):
               "train_history", "eval_history", "wall_time_s"):
     assert key in written, key
   assert written["loss_config"]["beta"] == 0.04
+  assert written["optimizer"] == "adam" and written["batch_size"] == 4
   assert 0 <= written["mean_reward"] <= 1
   assert 0 <= written["greedy_solved"] <= 28
   assert [row[0] for row in written["eval_history"]] == [0, 1, 2]
@@ -84,15 +85,20 @@ def test_two_steps_and_exact_resume(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, got_state, want_state)
 
 
-def test_on_policy_step_and_shuffled_rewards():
-  """On-policy (one inner step) the recorded ratio is 1; shuffled rewards
-  run without a workdir."""
-  args = rl_main.parse_args(_TINY + ["--loss", "dapo", "--shuffle-rewards",
-                                     "--steps", "1"])
-  summary = rl_train.train_and_evaluate(args)
-  assert summary["shuffle_rewards"] and summary["optimizer"] == "adam"
+def test_other_loss_optimizer_inner_steps_and_shuffled_rewards(tmp_path,
+                                                              monkeypatch):
+  """dapo loss, SGD, two optimizer steps per batch, shuffled rewards; no
+  --workdir: nothing is written."""
+  monkeypatch.chdir(tmp_path)
+  summary = _run(_TINY + ["--loss", "dapo", "--optimizer", "sgd",
+                          "--inner-steps", "2", "--shuffle-rewards",
+                          "--steps", "1"])
+  assert summary["shuffle_rewards"] and summary["optimizer"] == "sgd"
   assert summary["loss_config"]["aggregation"] == "token-mean"
+  assert summary["loss_config"]["beta"] == 0.0
   assert len(summary["train_history"]) == 1
+  assert np.isfinite(summary["train_loss"])
+  assert not os.listdir(tmp_path)
 
 
 @pytest.mark.parametrize("argv, message", [
