@@ -1,5 +1,9 @@
 """grpo_optax.rl.sample: recorded log-probs, keys from (seed, step), EOS."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,3 +143,12 @@ def test_bad_input(model):
     rl.sample("gpt", _prompts(), **good)
   with pytest.raises(ValueError, match="logits"):
     rl.sample(lambda t: jnp.zeros((2, 3)), _prompts(), **good)
+
+
+def test_import_grpo_optax_stays_flax_free():
+  code = ("import sys, grpo_optax; from grpo_optax import rl; "
+          "assert grpo_optax.rl is rl and 'rl' in grpo_optax.__all__; "
+          "assert not any(m == 'flax' or m.startswith('flax.') "
+          "for m in sys.modules), 'flax imported'")
+  subprocess.run([sys.executable, "-c", code], check=True,
+                 env={**os.environ, "JAX_PLATFORMS": "cpu"})

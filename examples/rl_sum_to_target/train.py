@@ -48,7 +48,8 @@ def _log_probs_and_entropy(model, tokens, completions, temperature):
   """Re-scores ``completions`` (the last 3 tokens of ``tokens``).
 
   The model runs on the whole ``[B, 4]`` sequence, the shape the sampler
-  used, so the log-probabilities match the recorded ones exactly.
+  used, so the log-probabilities match the recorded ones (to a few ulps:
+  XLA compiles the sampler's scan body and this call separately).
   """
   logits = model(tokens)[:, :-1]  # position i predicts digit i + 1
   return (rl.token_log_probs(logits, completions, temperature),
@@ -88,11 +89,15 @@ def make_train_step(graphdef: nnx.GraphDef, model_graphdef: nnx.GraphDef, *,
       ref_log_probs, _ = _log_probs_and_entropy(
           ref_model, samples.tokens, samples.completions, temperature)
 
+    # One step per batch is on-policy: old = stop_gradient(new), ratio
+    # exactly 1. With more, the sampler's log-probs are the old policy's.
+    old_log_probs = samples.log_probs if inner_steps > 1 else None
+
     def loss_fn(model):
       log_probs, entropy = _log_probs_and_entropy(
           model, samples.tokens, samples.completions, temperature)
       return rl.policy_loss(
-          log_probs, samples.log_probs, advantages, samples.mask,
+          log_probs, old_log_probs, advantages, samples.mask,
           config=config, ref_log_probs=ref_log_probs, entropy=entropy,
           group_size=group_size)
 

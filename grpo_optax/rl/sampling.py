@@ -14,7 +14,13 @@ drawn before.
 The log-probability of each sampled token is computed by
 :func:`grpo_optax.rl.token_log_probs` from the same logits divided by the
 same temperature; re-scoring the completions with the same parameters gives
-the same numbers, so the loss's importance ratio starts at 1.
+the same numbers up to float rounding (a few ulps, as XLA compiles the scan
+body and the re-scoring separately), so the loss's importance ratio starts
+at 1. With one optimizer step per batch pass ``old_log_probs=None`` to
+:func:`~grpo_optax.rl.policy_loss` instead, which makes it exactly 1.
+
+The decoder runs in inference mode: state it updates while decoding (an
+RNG counter, BatchNorm statistics) is discarded.
 """
 
 from __future__ import annotations
