@@ -12,6 +12,9 @@ Each seed mechanism of the two source articles lives in one module:
 * :mod:`grpo_optax.diagnostics` -- :func:`metrics` and friends.
 * :mod:`grpo_optax.training` -- program changes: hierarchical gradients (7),
   immediate updates (8), freezing that skips compute (9).
+* :mod:`grpo_optax.rl` -- unrelated to the optimizer: DeepSeek's Group
+  Relative Policy Optimization, the RL loss (advantages, policy loss,
+  sampler).
 """
 
 from grpo_optax.clipping import ClipWithL2State
@@ -34,6 +37,7 @@ from grpo_optax.sparsify import top_k_mask
 from grpo_optax.variance import ScaleByVarianceLrState
 from grpo_optax.variance import scale_by_variance_lr
 from grpo_optax import training  # pylint: disable=g-bad-import-order
+from grpo_optax import rl  # pylint: disable=g-bad-import-order
 
 __version__ = "0.1.0"
 
@@ -53,6 +57,7 @@ __all__ = [
     "importance_converged",
     "metrics",
     "per_head",
+    "rl",
     "scale_by_importance",
     "scale_by_nesterov_adam_rms",
     "scale_by_variance_lr",

@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 MODULES = ["clipping", "diagnostics", "freezing", "importance", "momentum",
-           "presets", "sparsify", "variance"]
+           "presets", "sparsify", "variance", "rl.advantages", "rl.config",
+           "rl.losses", "rl.sampling"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -10,7 +10,8 @@ from examples.common import optim
 
 
 def add_training_flags(parser: argparse.ArgumentParser, *, steps: int,
-                       batch_size: int, eval_every: int) -> None:
+                       batch_size: int, eval_every: int,
+                       default_optimizer: str = "grpo") -> None:
   """Adds the loop flags (steps, batch, seed, workdir, ...) and optimizer flags."""
   group = parser.add_argument_group("training loop")
   group.add_argument("--steps", type=int, default=steps,
@@ -37,7 +38,7 @@ def add_training_flags(parser: argparse.ArgumentParser, *, steps: int,
                      help="Compile the steps with XLA backend optimisation "
                      "level 0: about 2x faster compilation, slower steps "
                      "(smoke tests).")
-  optim.add_optimizer_flags(parser)
+  optim.add_optimizer_flags(parser, default_optimizer=default_optimizer)
 
 
 def compiler_options(args: argparse.Namespace) -> dict[str, int] | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import matplotlib
 
@@ -41,6 +41,36 @@ def plot_loss_curves(train_history: Sequence[Sequence[float]],
   ax.set_title(title)
   ax.grid(alpha=0.3)
   ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def plot_panels(curves: Mapping[str, Sequence[Sequence[float]]], path: str, *,
+                title: str = "",
+                references: Mapping[str, float] | None = None) -> None:
+  """Saves one panel per curve, stacked, sharing the step axis.
+
+  Args:
+    curves: ``{name: [(step, value), ...]}``, one panel each, in order.
+    path: output PNG.
+    title: figure title.
+    references: optional ``{name: value}`` dashed horizontal lines (e.g. the
+      reward of a random policy), drawn in the panel of that name.
+  """
+  references = references or {}
+  fig, axes = plt.subplots(len(curves), 1, figsize=(6, 2.2 * len(curves)),
+                           sharex=True, squeeze=False)
+  for ax, (name, points) in zip(axes[:, 0], curves.items()):
+    if points:
+      steps, values = zip(*[(p[0], p[1]) for p in points])
+      ax.plot(steps, values, lw=1.0)
+    if name in references:
+      ax.axhline(references[name], color="gray", ls="--", lw=1)
+    ax.set_ylabel(name)
+    ax.grid(alpha=0.3)
+  axes[-1, 0].set_xlabel("step")
+  axes[0, 0].set_title(title)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)

@@ -52,6 +52,7 @@ def check_resume_config(saved: Mapping[str, Any],
       "would match neither run. Resume with the original flags (see "
       f"{os.path.join(path, CONFIG_FILE)}); to train longer, start a new "
       "--workdir with the larger --steps.")
+PANELS_FILE = "curves.png"
 
 
 def new_history() -> dict[str, list]:
@@ -130,14 +131,25 @@ class Workdir:
 
   def finish(self, summary: dict[str, Any], *, title: str,
              reference: float | None = None,
-             reference_label: str = "", log_y: bool = False) -> None:
-    """Writes ``metrics.json`` and the loss plot; closes writers."""
+             reference_label: str = "", log_y: bool = False,
+             panels: dict[str, list] | None = None,
+             panel_references: dict[str, float] | None = None) -> None:
+    """Writes ``metrics.json`` and the plot; closes writers.
+
+    The plot is the loss curves (``PLOT_FILE``), or, when ``panels``
+    (``{name: [(step, value), ...]}``) is given, one panel per curve
+    (``PANELS_FILE``).
+    """
     self.writer.close()
     if self._checkpointer is not None:
       self._checkpointer.close()
     if not self.path:
       return
     metrics_lib.write_json(os.path.join(self.path, METRICS_FILE), summary)
+    if panels is not None:
+      plotting.plot_panels(panels, os.path.join(self.path, PANELS_FILE),
+                           title=title, references=panel_references)
+      return
     plotting.plot_loss_curves(
         summary["train_loss_history"], summary["eval_history"],
         os.path.join(self.path, PLOT_FILE), title=title, reference=reference,

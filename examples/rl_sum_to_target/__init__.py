@@ -1,0 +1,1 @@
+"""RL fine-tuning with group relative policy optimisation (grpo_optax.rl)."""
