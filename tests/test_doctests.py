@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 MODULES = ["clipping", "diagnostics", "freezing", "importance", "momentum",
-           "presets", "sparsify", "variance"]
+           "presets", "sparsify", "variance", "training.distributed"]
 
 
 @pytest.mark.parametrize("name", MODULES)
