@@ -7,6 +7,7 @@ import argparse
 import grpo_optax
 
 from examples.common import optim
+from examples.common import parallel
 
 
 def add_training_flags(parser: argparse.ArgumentParser, *, steps: int,
@@ -38,6 +39,7 @@ def add_training_flags(parser: argparse.ArgumentParser, *, steps: int,
                      "level 0: about 2x faster compilation, slower steps "
                      "(smoke tests).")
   optim.add_optimizer_flags(parser)
+  parallel.add_parallel_flags(parser)
 
 
 def compiler_options(args: argparse.Namespace) -> dict[str, int] | None:
@@ -62,6 +64,7 @@ def check_common_args(parser: argparse.ArgumentParser,
     parser.error("--resume needs --workdir (the run to continue)")
   if args.checkpoint_every < 0:
     parser.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+  parallel.check_parallel_args(parser, args)
   overrides = optim.grpo_overrides(args)
   if overrides and args.optimizer != "grpo":
     parser.error(f"--grpo-* flags only apply to --optimizer grpo, got "

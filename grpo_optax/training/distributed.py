@@ -335,6 +335,11 @@ def _to_global(x: Any, sharding: NamedSharding) -> Any:
       return jax.device_put(x, sharding)
   if jax.process_count() == 1:
     return jax.device_put(x, sharding)
+  dtype = getattr(x, "dtype", None)
+  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    return jax.random.wrap_key_data(
+        _to_global(jax.random.key_data(x), sharding),
+        impl=jax.random.key_impl(x))
   x = np.asarray(x)
   return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
