@@ -167,7 +167,8 @@ def test_sparse_program_has_no_dense_all_reduce(exchange):
     assert got["all-gather"] == W * k * (4 + 4)  # fp32 values, int32 indices.
   else:
     chunks = [distributed.num_chunks(n, 16) for n in _sizes()]
-    kept = sum(distributed.num_kept(m, 0.1) * 16 for m in chunks)
+    kept = sum(distributed.num_kept(m, 0.1) * distributed.chunk_width(n, 16)
+               for m, n in zip(chunks, _sizes()))
     # Chunk norms, the kept values (one psum each) and the scalar loss (XLA
     # may combine the last two).
     reduces = [size for kind, size, _ in ops if kind == "all-reduce"]

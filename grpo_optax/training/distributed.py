@@ -17,7 +17,7 @@ error-feedback residual, ``W`` replicas, ``f`` the kept fraction):
   scatter-added: ``mean = (1/W) sum_i scatter(idx_i, val_i)``.
 * ``"shared_support"``: one index set common to all replicas, chosen from
   replicated information: each leaf is cut into chunks of ``chunk_size``
-  entries, the chunks' squared norms ``sum_i ||a_i[c]||^2`` are all-reduced
+  entries (a smaller leaf is one chunk), the chunks' squared norms ``sum_i ||a_i[c]||^2`` are all-reduced
   (``n / chunk_size`` floats), and the ``ceil(f * num_chunks)`` chunks of
   largest norm are exchanged with one psum of their values.
 
@@ -134,9 +134,14 @@ def num_kept(size: int, fraction: float) -> int:
   return min(size, max(1, math.ceil(fraction * size - 1e-9)))
 
 
+def chunk_width(size: int, chunk_size: int) -> int:
+  """Entries per chunk of a leaf: ``chunk_size``, or the whole (smaller) leaf."""
+  return max(1, min(chunk_size, size))
+
+
 def num_chunks(size: int, chunk_size: int) -> int:
-  """Chunks of ``chunk_size`` entries covering a leaf of ``size`` entries."""
-  return -(-size // chunk_size)
+  """Chunks of :func:`chunk_width` entries covering a leaf of ``size``."""
+  return -(-size // chunk_width(size, chunk_size))
 
 
 def _pack_dtype(leaves: Sequence[jax.Array]) -> Any:
@@ -188,11 +193,11 @@ def _shared_support_mean(accs, axis_name, fraction, chunk_size):
     if n == 0:
       chunked.append(None)
       continue
-    m = num_chunks(n, chunk_size)
+    m, width = num_chunks(n, chunk_size), chunk_width(n, chunk_size)
     c = a.reshape(-1)
-    if m * chunk_size != n:
-      c = jnp.pad(c, (0, m * chunk_size - n))
-    c = c.reshape(m, chunk_size)
+    if m * width != n:
+      c = jnp.pad(c, (0, m * width - n))
+    c = c.reshape(m, width)
     chunked.append(c)
     scores.append(jnp.sum(jnp.square(c.astype(dtype)), axis=1))
   if not scores:
@@ -441,7 +446,7 @@ class DataParallelStep:
         ``jax.Array``s, or ``jax.ShapeDtypeStruct``s (for :meth:`lower`).
     """
     for x in jax.tree.leaves(batch):
-      shape = np.shape(x)
+      shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
       if not shape or shape[0] % self.num_devices:
         raise ValueError(
             f"`batch` leaves need a leading dimension divisible by the "
@@ -666,14 +671,32 @@ def collective_bytes(compiled: Any) -> dict[str, int]:
   return totals
 
 
+def ring_send_bytes(kind: str, size: float, group: int) -> float:
+  """Bytes one device sends for one collective under a ring algorithm.
+
+  For result ``size`` bytes over a group of ``group`` devices: all-reduce
+  ``2 (g-1)/g size``; all-gather and all-to-all ``(g-1)/g size``;
+  reduce-scatter ``(g-1) size``; collective-permute ``size``. This is the
+  bandwidth term of the standard ring algorithms (Patarasuk and Yuan, 2009),
+  the model behind the traffic law in the module docstring.
+  """
+  g = max(int(group), 1)
+  if kind == "all-reduce":
+    return 2 * (g - 1) / g * size
+  if kind in ("all-gather", "all-to-all"):
+    return (g - 1) / g * size
+  if kind == "reduce-scatter":
+    return (g - 1) * size
+  if kind == "collective-permute":
+    return float(size)
+  raise ValueError(f"`kind` must be one of {COLLECTIVES}, got {kind!r}.")
+
+
 def ring_traffic(compiled: Any) -> dict[str, float]:
   """Bytes each device sends per collective kind, for ring algorithms.
 
-  For an op with result ``S`` bytes over a group of ``g`` devices: all-reduce
-  ``2 (g-1)/g S``; all-gather and all-to-all ``(g-1)/g S``; reduce-scatter
-  ``(g-1) S``; collective-permute ``S``. This is the bandwidth term of the
-  standard ring algorithms (Patarasuk and Yuan, 2009), the model behind the
-  traffic law in the module docstring.
+  Sums :func:`ring_send_bytes` over the program's collectives (each with its
+  own group size, from ``replica_groups``).
 
   Args:
     compiled: a ``jax.stages.Compiled`` or ``Lowered`` program, or HLO text.
@@ -681,15 +704,8 @@ def ring_traffic(compiled: Any) -> dict[str, float]:
   Returns:
     A dict with every kind of :data:`COLLECTIVES` and ``"total"``.
   """
-  factor = {
-      "all-reduce": lambda g: 2 * (g - 1) / g,
-      "all-gather": lambda g: (g - 1) / g,
-      "all-to-all": lambda g: (g - 1) / g,
-      "reduce-scatter": lambda g: g - 1,
-      "collective-permute": lambda g: 1,
-  }
   totals = dict.fromkeys(COLLECTIVES, 0.0)
   for kind, size, group in collective_ops(compiled):
-    totals[kind] += factor[kind](max(group, 1)) * size
+    totals[kind] += ring_send_bytes(kind, size, group)
   totals["total"] = sum(totals[k] for k in COLLECTIVES)
   return totals
