@@ -280,6 +280,34 @@ def test_sparse_pmean_in_a_users_own_shard_map():
                              atol=1e-6)
 
 
+@pytest.mark.parametrize("exchange", ["all_gather", "shared_support"])
+def test_sparse_pmean_odd_leaves(exchange):
+  # An empty leaf, a scalar and a bf16 vector.
+  mesh = _mesh()
+  rng = np.random.default_rng(4)
+  g = {"e": np.zeros((W, 0, 3), np.float32),
+       "s": rng.normal(size=(W,)).astype(np.float32),
+       "v": rng.normal(size=(W, 5)).astype(jnp.bfloat16)}
+
+  def local(g):
+    g = jax.tree.map(lambda x: x[0], g)
+    r = jax.tree.map(jnp.zeros_like, g)
+    mean, r = training.sparse_pmean(g, r, "data", exchange=exchange,
+                                    fraction=1.0)
+    return mean, jax.tree.map(lambda x: x[None], r)
+
+  f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("data"),
+                            out_specs=(P(), P("data"))))
+  mean, r = f(g)
+  assert mean["e"].shape == (0, 3) and mean["v"].dtype == jnp.bfloat16
+  np.testing.assert_allclose(mean["s"], g["s"].mean(), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(mean["v"], np.float32),
+                             np.asarray(g["v"], np.float32).mean(0),
+                             rtol=1e-2)
+  assert all(float(jnp.max(jnp.abs(x), initial=0)) == 0
+             for x in jax.tree.leaves(r))
+
+
 _ASYNC_HLO = """
 HloModule m, num_partitions=8
 %a.1 = (f32[4,10]{1,0}, f32[32,10]{1,0}) all-gather-start(f32[4,10]{1,0} %p), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}

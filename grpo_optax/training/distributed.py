@@ -82,7 +82,7 @@ EXCHANGES = ("dense", "all_gather", "shared_support")
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                "collective-permute")
 
-AxisName = Any  # a mesh axis name, or a tuple of them.
+AxisName = Any  # A mesh axis name, or a tuple of them.
 
 
 # -- argument checks ---------------------------------------------------------
@@ -117,11 +117,6 @@ def _check_chunk_size(chunk_size: Any) -> int:
   if c < 1:
     raise ValueError(f"`chunk_size` must be an int >= 1, got {c}.")
   return c
-
-
-def _axes(axis_name: AxisName) -> tuple[Any, ...]:
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (
-      axis_name,)
 
 
 # -- the exchange ------------------------------------------------------------
@@ -161,7 +156,7 @@ def _all_gather_mean(accs, axis_name, fraction):
     idxs.append(idx.astype(jnp.int32))
     vals.append(x[idx].astype(dtype))
   if not vals:
-    return list(accs), list(accs)
+    return [jnp.zeros(a.shape, a.dtype) for a in accs], list(accs)
   # One buffer of values and one of indices: two collectives for the model.
   all_vals = jax.lax.all_gather(jnp.concatenate(vals), axis_name,
                                 to="invarying")   # (W, sum k)
@@ -170,8 +165,8 @@ def _all_gather_mean(accs, axis_name, fraction):
   replicas = all_vals.shape[0]
   means, residuals, offset, j = [], [], 0, 0
   for a, x, k in zip(accs, flats, ks):
-    if k == 0:
-      means.append(a)
+    if k == 0:   # An empty leaf.
+      means.append(jnp.zeros(a.shape, a.dtype))
       residuals.append(a)
       continue
     v = all_vals[:, offset:offset + k].reshape(-1)
@@ -201,7 +196,7 @@ def _shared_support_mean(accs, axis_name, fraction, chunk_size):
     chunked.append(c)
     scores.append(jnp.sum(jnp.square(c.astype(dtype)), axis=1))
   if not scores:
-    return list(accs), list(accs)
+    return [jnp.zeros(a.shape, a.dtype) for a in accs], list(accs)
   # Replicated information: every replica holds the same summed norms, so
   # every replica picks the same chunks.
   scores = jax.lax.psum(jnp.concatenate(scores), axis_name)
@@ -219,8 +214,8 @@ def _shared_support_mean(accs, axis_name, fraction, chunk_size):
   summed = jax.lax.pmean(jnp.concatenate(sent), axis_name)   # one all-reduce
   means, residuals, offset = [], [], 0
   for a, c, idx in zip(accs, chunked, picks):
-    if c is None:
-      means.append(a)
+    if c is None:   # An empty leaf.
+      means.append(jnp.zeros(a.shape, a.dtype))
       residuals.append(a)
       continue
     kc, width = idx.shape[0], c.shape[1]
@@ -247,7 +242,8 @@ def sparse_pmean(grads: Any, residual: Any, axis_name: AxisName, *,
     (scattered into zeros), :math:`r_i \leftarrow a_i` with :math:`S_i`
     zeroed.
   * ``"shared_support"``: :math:`S` = the ``ceil(fraction * m)`` of the
-    :math:`m` chunks of ``chunk_size`` entries with largest
+    :math:`m` chunks of ``chunk_size`` entries (a smaller leaf is one
+    chunk) with largest
     :math:`\sum_i \|a_i[c]\|^2` (all-reduced); out :math:`= \frac1W \sum_i
     a_i[S]`; :math:`r_i \leftarrow a_i` with :math:`S` zeroed.
   * ``"dense"``: out :math:`= \frac1W \sum_i a_i`, residual zero.
@@ -291,6 +287,9 @@ def sparse_pmean(grads: Any, residual: Any, axis_name: AxisName, *,
   for x in leaves:
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"`grads` must hold float arrays, got {x.dtype}.")
+    if x.size >= 2**31:
+      raise ValueError(f"a `grads` leaf has {x.size} entries; int32 indices "
+                       "address at most 2**31 - 1: split the leaf.")
   if exchange == "dense":
     means = jax.lax.pmean(leaves, axis_name)
     residuals = [jnp.zeros_like(x) for x in leaves]
