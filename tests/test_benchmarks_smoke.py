@@ -64,3 +64,35 @@ def test_convergence_harness_writes_results(tmp_path):
   assert len(rows) >= 10
   assert all(line.rstrip().endswith("|") for line in rows)
   assert (out / "claims.md").exists()
+
+
+def test_claims_traffic_row_reads_communication_json(tmp_path):
+  # The traffic row (14) is generated from communication.json.
+  rows = [{"mesh": "W=8", "exchange": e, "fraction": f, "ratio_to_dense": r}
+          for e, f, r in (("dense", None, 1.0), ("all_gather", 0.3, 2.41),
+                          ("all_gather", 0.01, 0.082),
+                          ("shared_support", 0.3, 0.331))]
+  conv = [{"exchange": "dense", "fraction": None, "eval_accuracy": 0.99,
+           "steps": 300},
+          {"exchange": "shared_support", "fraction": 0.3,
+           "eval_accuracy": 0.985, "steps": 300}]
+  (tmp_path / "communication.json").write_text(json.dumps({
+      "meta": {"command": "python -m benchmarks.communication"},
+      "bytes": {"model": "m", "num_params": 10, "rows": rows},
+      "convergence": conv}))
+  text = claims.main(["--results", str(tmp_path)])
+  row = [line for line in text.splitlines() if "all-reduce traffic" in line][0]
+  assert "x2.41 (141.0% more" in row and "x0.331 (66.9% less)" in row
+  assert "dense 99.00%, shared support 30% 98.50%" in row
+  assert row.rstrip().endswith("holds with a shared index set; does not hold "
+                               "for the per-replica top-30% all-gather at W "
+                               "= 8 (it saves traffic only while W f < 1, "
+                               "i.e. W = 2 at 30%) |")
+  # A shared support that saves less than 65% does not hold.
+  rows[-1]["ratio_to_dense"] = 0.5
+  (tmp_path / "communication.json").write_text(json.dumps({
+      "meta": {"command": "c"}, "bytes": {"model": "m", "num_params": 10,
+                                          "rows": rows}}))
+  row = [line for line in claims.main(["--results", str(tmp_path)])
+         .splitlines() if "all-reduce traffic" in line][0]
+  assert "| does not hold;" in row

@@ -7,7 +7,7 @@ import pytest
 
 MODULES = ["clipping", "diagnostics", "freezing", "importance", "momentum",
            "presets", "sparsify", "variance", "rl.advantages", "rl.config",
-           "rl.losses", "rl.sampling"]
+           "rl.losses", "rl.sampling", "training.distributed"]
 
 
 @pytest.mark.parametrize("name", MODULES)

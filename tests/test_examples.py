@@ -116,6 +116,21 @@ def test_resnet_grpo_two_steps_and_exact_resume(tmp_path):
                          _TINY_RESNET + ["--augment"], "grpo", "eval_accuracy")
 
 
+def test_resnet_data_parallel_sparse_exchange_and_exact_resume(tmp_path):
+  # 8 forced devices, one example per replica; the all-gather exchange's
+  # per-replica residuals are checkpointed, so the resumed run is exact.
+  _two_steps_then_resume(
+      tmp_path, resnet_main, resnet_train, _TINY_RESNET + [
+          "--data-parallel", "--exchange", "all_gather",
+          "--exchange-fraction", "0.1"], "adam", "eval_accuracy")
+  extra = os.path.join(tmp_path, "full", "checkpoints", "2", "extra")
+  assert os.path.isdir(extra)
+  with open(os.path.join(tmp_path, "full", "metrics.json")) as f:
+    assert json.load(f)["data_parallel"] == {
+        "replicas": 8, "processes": 1, "exchange": "all_gather",
+        "fraction": 0.1}
+
+
 def test_bert_adam_two_steps_and_exact_resume(tmp_path):
   # Dropout and masks come from (seed, step), not from consumed RNG state.
   _two_steps_then_resume(tmp_path, bert_main, bert_train,
@@ -140,6 +155,16 @@ def test_bert_grpo_two_steps_on_text_files_without_workdir(tmp_path,
   assert [s for s, _ in summary["train_loss_history"]] == [1, 2]
   assert np.isfinite(summary["eval_loss"])
   assert not os.listdir(run_dir)  # No --workdir: nothing written.
+
+
+def test_bert_grpo_data_parallel_shared_support():
+  summary = _run(bert_main, bert_train, _TINY_BERT + [
+      "--steps", "2", "--batch-size", "8", "--data-parallel", "--exchange",
+      "shared_support"])
+  assert summary["data_parallel"]["exchange"] == "shared_support"
+  assert summary["data_parallel"]["fraction"] == 0.3
+  assert np.isfinite(summary["eval_loss"])
+  assert all(np.isfinite(loss) for _, loss in summary["train_loss_history"])
 
 
 def test_grpo_flags_follow_the_signature():
@@ -173,6 +198,12 @@ def test_grpo_flags_follow_the_signature():
     (["--download"], "only applies"),
     (["--depth", "50"], "invalid choice"),
     (["--image-size", "12"], "multiple of 8"),
+    (["--exchange", "all_gather"], "needs --data-parallel"),
+    (["--data-parallel", "--exchange", "topk"], "invalid choice"),
+    (["--data-parallel", "--exchange-fraction", "0"], "--exchange-fraction"),
+    (["--data-parallel", "--num-processes", "2"], "--coordinator-address"),
+    (["--data-parallel", "--num-processes", "2", "--process-id", "2",
+      "--coordinator-address", "127.0.0.1:1"], "--process-id"),
 ])
 def test_bad_resnet_flags(capsys, argv, message):
   with pytest.raises(SystemExit) as exit_info:

@@ -24,6 +24,7 @@ from examples.common import data as data_lib
 from examples.common import flags
 from examples.common import metrics as metrics_lib
 from examples.common import optim
+from examples.common import parallel
 from examples.common import workdir as workdir_lib
 
 # Peak learning rates per optimizer (cosine schedule with 5% warm-up).
@@ -74,17 +75,24 @@ def _mlm_metrics(logits, targets):
 
 def make_train_step(graphdef: nnx.GraphDef, *, num_predictions: int,
                     vocab_size: int, pass_head_entropy: bool,
-                    compiler_options: dict | None = None):
-  """A jitted step ``(state, tokens, key) -> (state, metrics)``.
+                    compiler_options: dict | None = None,
+                    replicas: parallel.Replicas | None = None):
+  """A jitted step ``(state, residual, tokens, key) -> (state, residual,
+  metrics)``.
 
   ``key`` (a function of seed and step) draws the masks and the dropout;
-  ``state`` = ``nnx.state((model, optimizer))`` is donated.
+  ``state`` = ``nnx.state((model, optimizer))`` is donated. With
+  ``replicas`` the step runs once per device on its share of the batch
+  (inside ``shard_map``, a key per replica); gradients go through the
+  exchange (``residual``: per-replica error feedback, None for dense), and
+  the head entropies and metrics are averaged over the replicas. Without,
+  ``residual`` is None and passes through.
   """
 
-  @functools.partial(jax.jit, donate_argnums=0,
-                     compiler_options=compiler_options)
-  def train_step(state, tokens, key):
+  def train_step(state, residual, tokens, key):
     model, optimizer = nnx.merge(graphdef, state)
+    if replicas is not None:
+      key = replicas.fold_key(key)
     mask_key, dropout_key = jax.random.split(key)
     inputs, positions, targets = input_pipeline.mask_tokens(
         mask_key, tokens, num_predictions=num_predictions,
@@ -97,8 +105,16 @@ def make_train_step(graphdef: nnx.GraphDef, *, num_predictions: int,
       loss, correct = _mlm_metrics(logits, targets)
       return loss.mean(), (correct.mean(), entropies)
 
-    (loss, (accuracy, entropies)), grads = nnx.value_and_grad(
-        loss_fn, has_aux=True)(model)
+    if replicas is None:
+      (loss, (accuracy, entropies)), grads = nnx.value_and_grad(
+          loss_fn, has_aux=True)(model)
+    else:
+      model_graph, model_state = nnx.split(model)
+      local = nnx.merge(model_graph, replicas.varying(model_state))
+      (loss, (accuracy, entropies)), grads = nnx.value_and_grad(
+          loss_fn, has_aux=True)(local)
+      grads, residual = replicas.exchange_grads(grads, residual)
+      loss, accuracy, entropies = replicas.mean((loss, accuracy, entropies))
     extra = ({"head_entropy": head_entropy_tree(grads, entropies)}
              if pass_head_entropy else {})
     updates = optimizer.update(model, grads, **extra)
@@ -112,9 +128,13 @@ def make_train_step(graphdef: nnx.GraphDef, *, num_predictions: int,
     for i, entropy in enumerate(entropies):
       for h in range(entropy.shape[0]):
         metrics[f"head_entropy/layer{i}_head{h}"] = entropy[h]
-    return nnx.state((model, optimizer)), metrics
+    return nnx.state((model, optimizer)), residual, metrics
 
-  return train_step
+  if replicas is not None:
+    return replicas.jit(train_step, num_batch_args=1,
+                        compiler_options=compiler_options)
+  return jax.jit(train_step, donate_argnums=0,
+                 compiler_options=compiler_options)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, *, num_predictions: int,
@@ -154,7 +174,9 @@ def evaluate(eval_step, state, sequences: np.ndarray,
 
 def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   """Trains BERT as the flags say; returns the dict written to metrics.json."""
+  parallel.initialize(args)  # Before any JAX work (multi-process runs).
   start_time = time.time()
+  quiet = args.quiet or not parallel.is_primary()
   workdir = workdir_lib.Workdir(args.workdir, resume=args.resume,
                                 checkpoint_every=args.checkpoint_every,
                                 config=vars(args))
@@ -177,24 +199,33 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
   num_predictions = input_pipeline.num_predictions(args.seq_len,
                                                    args.mask_rate)
+  replicas = parallel.make_replicas(args)
   graphdef, state = nnx.split((model, optimizer))
+  residual = None
+  if replicas is not None:
+    params = nnx.state(model, nnx.Param)
+    state = replicas.replicate(state)
+    residual = replicas.init_residual(params, workdir.restore_extra(
+        start_step, replicas.residual_like(params)))
   train_step = make_train_step(
       graphdef, num_predictions=num_predictions, vocab_size=data.vocab_size,
       pass_head_entropy=args.optimizer == "grpo" and args.head_entropy,
-      compiler_options=flags.compiler_options(args))
+      compiler_options=flags.compiler_options(args), replicas=replicas)
   eval_step = make_eval_step(graphdef, num_predictions=num_predictions,
                              vocab_size=data.vocab_size,
                              compiler_options=flags.compiler_options(args))
   num_train = len(data.train)
 
   bar = tqdm.tqdm(range(start_step, args.steps), initial=start_step,
-                  total=args.steps, disable=args.quiet, desc="train",
+                  total=args.steps, disable=quiet, desc="train",
                   dynamic_ncols=True)
   tick = time.time()
   for step in bar:
     idx = data_lib.batch_indices(args.seed, step, args.batch_size, num_train)
-    state, metrics = train_step(state, data.train[idx],
-                                data_lib.step_key(step_base, step))
+    tokens, key = data.train[idx], data_lib.step_key(step_base, step)
+    if replicas is not None:
+      tokens, key = replicas.shard(tokens), replicas.replicate(key)
+    state, residual, metrics = train_step(state, residual, tokens, key)
     metrics = jax.device_get(metrics)
     done = step + 1
     history["train_loss"].append([done, float(metrics["loss"])])
@@ -208,21 +239,24 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     last = done == args.steps
     evaluated = last or (args.eval_every and done % args.eval_every == 0)
     if evaluated:
-      eval_loss, eval_acc = evaluate(eval_step, state, data.eval,
-                                     args.eval_batch_size)
+      eval_loss, eval_acc = evaluate(
+          eval_step, parallel.single_device(state, replicas), data.eval,
+          args.eval_batch_size)
       history["eval"].append([done, eval_loss, eval_acc])
       workdir.writer.write_scalars(done, {"eval/mlm_loss": eval_loss,
                                           "eval/masked_accuracy": eval_acc})
-      if not args.quiet:
+      if not quiet:
         bar.write(f"step {done}: held-out MLM loss {eval_loss:.4f} "
                   f"(unigram entropy {data.unigram_entropy:.4f}), masked "
                   f"accuracy {eval_acc:.4f}")
     if workdir.should_checkpoint(done, evaluated=evaluated, last=last):
-      nnx.update((model, optimizer), state)
+      nnx.update((model, optimizer), parallel.single_device(state, replicas))
       workdir.log_optimizer(done, optimizer)
-      workdir.save(done, model, optimizer, history)
+      workdir.save(done, model, optimizer, history,
+                   extra=replicas and replicas.host(residual))
   bar.close()
 
+  state = parallel.single_device(state, replicas)
   nnx.update((model, optimizer), state)
   if not history["eval"] or history["eval"][-1][0] != args.steps:
     # Resumed from a finished run: evaluate the restored model once.
@@ -241,6 +275,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
       "steps": args.steps,
       "batch_size": args.batch_size,
       "seed": args.seed,
+      "data_parallel": replicas and replicas.describe(),
       "num_train_sequences": num_train,
       "num_eval_sequences": len(data.eval),
       "train_loss": float(np.mean(recent)) if recent else None,
@@ -263,7 +298,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   workdir.finish(summary, title=f"BERT MLM, {args.optimizer}",
                  reference=data.unigram_entropy,
                  reference_label="unigram entropy")
-  if not args.quiet:
+  if not quiet:
     print(f"held-out MLM loss {eval_loss:.4f} nats vs unigram entropy "
           f"{data.unigram_entropy:.4f} nats; masked accuracy {eval_acc:.4f}; "
           f"{args.steps} steps of {args.optimizer}, "

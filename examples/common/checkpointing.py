@@ -2,7 +2,8 @@
 
 The training history (loss curves, evaluations) is saved in the same
 checkpoint step as JSON, so that a resumed run reports the same curves as an
-uninterrupted one. Typed PRNG keys (e.g. the sampling key inside the GRPO
+uninterrupted one. Data-parallel runs with a sparse exchange add their
+per-replica error-feedback residuals (item ``extra``, a list of arrays). Typed PRNG keys (e.g. the sampling key inside the GRPO
 sparsifier's state) are stored as their raw key data and re-wrapped on
 restore.
 """
@@ -52,12 +53,30 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer,
-           history: dict[str, Any]) -> None:
-    """Writes checkpoint ``step`` (blocking, so a crash cannot leave half of it)."""
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(_to_savable(train_state(model, optimizer))),
-        history=ocp.args.JsonSave(history)), force=True)
+           history: dict[str, Any], extra: list[Any] | None = None) -> None:
+    """Writes checkpoint ``step`` (blocking, so a crash cannot leave half of it).
+
+    ``extra``: more arrays to keep (the error-feedback residuals), or None.
+    """
+    items = {
+        "state": ocp.args.StandardSave(
+            _to_savable(train_state(model, optimizer))),
+        "history": ocp.args.JsonSave(history)}
+    if extra is not None:
+      items["extra"] = ocp.args.StandardSave(list(extra))
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
     self._manager.wait_until_finished()
+
+  def restore_extra(self, step: int, like: list[Any]) -> list[Any] | None:
+    """The ``extra`` arrays of checkpoint ``step`` shaped like ``like`` (NumPy
+    arrays or ShapeDtypeStructs), or None if that checkpoint has none."""
+    path = os.path.join(str(self._manager.directory), str(step), "extra")
+    if not os.path.isdir(path):
+      return None
+    target = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in like]
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        extra=ocp.args.StandardRestore(target)))
+    return [jax.device_get(x) for x in restored["extra"]]
 
   def restore(self, model: nnx.Module, optimizer: nnx.Optimizer,
               step: int | None = None) -> tuple[int, dict[str, Any]]:

@@ -7,12 +7,18 @@ import argparse
 import grpo_optax
 
 from examples.common import optim
+from examples.common import parallel
 
 
 def add_training_flags(parser: argparse.ArgumentParser, *, steps: int,
                        batch_size: int, eval_every: int,
-                       default_optimizer: str = "grpo") -> None:
-  """Adds the loop flags (steps, batch, seed, workdir, ...) and optimizer flags."""
+                       default_optimizer: str = "grpo",
+                       data_parallel: bool = True) -> None:
+  """Adds the loop flags (steps, batch, seed, workdir, ...) and optimizer flags.
+
+  With ``data_parallel``, also ``--data-parallel``, ``--exchange`` and the
+  multi-process flags of :mod:`examples.common.parallel`.
+  """
   group = parser.add_argument_group("training loop")
   group.add_argument("--steps", type=int, default=steps,
                      help="Training steps.")
@@ -39,6 +45,8 @@ def add_training_flags(parser: argparse.ArgumentParser, *, steps: int,
                      "level 0: about 2x faster compilation, slower steps "
                      "(smoke tests).")
   optim.add_optimizer_flags(parser, default_optimizer=default_optimizer)
+  if data_parallel:
+    parallel.add_parallel_flags(parser)
 
 
 def compiler_options(args: argparse.Namespace) -> dict[str, int] | None:
@@ -63,6 +71,8 @@ def check_common_args(parser: argparse.ArgumentParser,
     parser.error("--resume needs --workdir (the run to continue)")
   if args.checkpoint_every < 0:
     parser.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+  if hasattr(args, "data_parallel"):
+    parallel.check_parallel_args(parser, args)
   overrides = optim.grpo_overrides(args)
   if overrides and args.optimizer != "grpo":
     parser.error(f"--grpo-* flags only apply to --optimizer grpo, got "

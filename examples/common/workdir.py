@@ -119,9 +119,16 @@ class Workdir:
     return last or evaluated
 
   def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer,
-           history: dict[str, list]) -> None:
+           history: dict[str, list], extra: list | None = None) -> None:
     if self._checkpointer is not None:
-      self._checkpointer.save(step, model, optimizer, history)
+      self._checkpointer.save(step, model, optimizer, history, extra=extra)
+
+  def restore_extra(self, step: int, like: list) -> list | None:
+    """The residuals saved with checkpoint ``step`` (None: none, or a fresh
+    run)."""
+    if not step or self._checkpointer is None:
+      return None
+    return self._checkpointer.restore_extra(step, like)
 
   def log_optimizer(self, step: int, optimizer: nnx.Optimizer) -> None:
     """TensorBoard scalars/histograms of ``grpo_optax.metrics`` (if any)."""

@@ -18,6 +18,7 @@ from examples.common import data as data_lib
 from examples.common import flags
 from examples.common import metrics as metrics_lib
 from examples.common import optim
+from examples.common import parallel
 from examples.common import workdir as workdir_lib
 from examples.resnet_cifar10 import input_pipeline
 from examples.resnet_cifar10 import models
@@ -38,17 +39,25 @@ def load_dataset(args: argparse.Namespace) -> input_pipeline.Dataset:
 
 
 def make_train_step(graphdef: nnx.GraphDef, *, augment: bool,
-                    compiler_options: dict | None = None):
-  """A jitted step ``(state, images, labels, key) -> (state, metrics)``.
+                    compiler_options: dict | None = None,
+                    replicas: parallel.Replicas | None = None):
+  """A jitted step ``(state, residual, images, labels, key) -> (state,
+  residual, metrics)``.
 
   ``state`` is ``nnx.state((model, optimizer))``; it is donated, so XLA
   updates parameters, BatchNorm statistics and optimizer state in place.
+  With ``replicas`` the step runs once per device on its share of the batch
+  (inside ``shard_map``): each replica differentiates a varying copy of the
+  model (its own gradient, no implicit psum), the gradients go through the
+  exchange (``residual``: the per-replica error feedback, None for dense),
+  BatchNorm statistics and metrics are averaged over the replicas.
+  Without, ``residual`` is None and passes through.
   """
 
-  @functools.partial(jax.jit, donate_argnums=0,
-                     compiler_options=compiler_options)
-  def train_step(state, images, labels, key):
+  def train_step(state, residual, images, labels, key):
     model, optimizer = nnx.merge(graphdef, state)
+    if replicas is not None:
+      key = replicas.fold_key(key)
     if augment:
       images = input_pipeline.random_crop_flip(key, images)
 
@@ -57,18 +66,32 @@ def make_train_step(graphdef: nnx.GraphDef, *, augment: bool,
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
       return loss.mean(), logits
 
-    (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    if replicas is None:
+      (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    else:
+      model_graph, model_state = nnx.split(model)
+      local = nnx.merge(model_graph, replicas.varying(model_state))
+      (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(local)
+      nnx.update(model, replicas.mean(nnx.state(local, nnx.BatchStat)))
+      grads, residual = replicas.exchange_grads(grads, residual)
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
+    if replicas is not None:
+      loss, accuracy = replicas.mean((loss, accuracy))
     updates = optimizer.update(model, grads)
     metrics = {
         "loss": loss,
-        "accuracy": jnp.mean(jnp.argmax(logits, -1) == labels),
+        "accuracy": accuracy,
         "grad_norm": optax.tree.norm(grads),
         "update_norm": optax.tree.norm(updates),
         "param_norm": optax.tree.norm(nnx.state(model, nnx.Param)),
     }
-    return nnx.state((model, optimizer)), metrics
+    return nnx.state((model, optimizer)), residual, metrics
 
-  return train_step
+  if replicas is not None:
+    return replicas.jit(train_step, num_batch_args=2,
+                        compiler_options=compiler_options)
+  return jax.jit(train_step, donate_argnums=0,
+                 compiler_options=compiler_options)
 
 
 def make_eval_step(graphdef: nnx.GraphDef,
@@ -101,7 +124,9 @@ def evaluate(eval_step, state, dataset: input_pipeline.Dataset,
 
 def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   """Trains a ResNet as the flags say; returns the dict written to metrics.json."""
+  parallel.initialize(args)  # Before any JAX work (multi-process runs).
   start_time = time.time()
+  quiet = args.quiet or not parallel.is_primary()
   workdir = workdir_lib.Workdir(args.workdir, resume=args.resume,
                                 checkpoint_every=args.checkpoint_every,
                                 config=vars(args))
@@ -117,22 +142,33 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     raise ValueError(f"the checkpoint in {args.workdir} is at step "
                      f"{start_step}, beyond --steps {args.steps}.")
 
+  replicas = parallel.make_replicas(args)
   graphdef, state = nnx.split((model, optimizer))
+  residual = None
+  if replicas is not None:
+    params = nnx.state(model, nnx.Param)
+    state = replicas.replicate(state)
+    residual = replicas.init_residual(params, workdir.restore_extra(
+        start_step, replicas.residual_like(params)))
   options = flags.compiler_options(args)
   train_step = make_train_step(graphdef, augment=augment,
-                               compiler_options=options)
+                               compiler_options=options, replicas=replicas)
   eval_step = make_eval_step(graphdef, compiler_options=options)
   num_train = len(dataset.train_labels)
 
   bar = tqdm.tqdm(range(start_step, args.steps), initial=start_step,
-                  total=args.steps, disable=args.quiet, desc="train",
+                  total=args.steps, disable=quiet, desc="train",
                   dynamic_ncols=True)
   tick = time.time()
   for step in bar:
     idx = data_lib.batch_indices(args.seed, step, args.batch_size, num_train)
-    state, metrics = train_step(state, dataset.train_images[idx],
-                                dataset.train_labels[idx],
-                                data_lib.step_key(step_base, step))
+    images, labels = dataset.train_images[idx], dataset.train_labels[idx]
+    key = data_lib.step_key(step_base, step)
+    if replicas is not None:
+      images, labels = replicas.shard(images), replicas.shard(labels)
+      key = replicas.replicate(key)
+    state, residual, metrics = train_step(state, residual, images, labels,
+                                          key)
     metrics = jax.device_get(metrics)
     done = step + 1
     history["train_loss"].append([done, float(metrics["loss"])])
@@ -146,20 +182,23 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     last = done == args.steps
     evaluated = last or (args.eval_every and done % args.eval_every == 0)
     if evaluated:
-      eval_loss, eval_acc = evaluate(eval_step, state, dataset,
-                                     args.eval_batch_size)
+      eval_loss, eval_acc = evaluate(
+          eval_step, parallel.single_device(state, replicas), dataset,
+          args.eval_batch_size)
       history["eval"].append([done, eval_loss, eval_acc])
       workdir.writer.write_scalars(done, {"eval/loss": eval_loss,
                                           "eval/accuracy": eval_acc})
-      if not args.quiet:
+      if not quiet:
         bar.write(f"step {done}: held-out loss {eval_loss:.4f}, "
                   f"accuracy {eval_acc:.4f}")
     if workdir.should_checkpoint(done, evaluated=evaluated, last=last):
-      nnx.update((model, optimizer), state)
+      nnx.update((model, optimizer), parallel.single_device(state, replicas))
       workdir.log_optimizer(done, optimizer)
-      workdir.save(done, model, optimizer, history)
+      workdir.save(done, model, optimizer, history,
+                   extra=replicas and replicas.host(residual))
   bar.close()
 
+  state = parallel.single_device(state, replicas)
   nnx.update((model, optimizer), state)
   if not history["eval"] or history["eval"][-1][0] != args.steps:
     # Resumed from a finished run: evaluate the restored model once.
@@ -179,6 +218,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
       "steps": args.steps,
       "batch_size": args.batch_size,
       "seed": args.seed,
+      "data_parallel": replicas and replicas.describe(),
       "num_train_examples": num_train,
       "num_eval_examples": len(dataset.test_labels),
       "train_loss": float(np.mean(recent)) if recent else None,
@@ -196,7 +236,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   }
   workdir.finish(summary, title=f"ResNet-{args.depth} on {dataset.name}, "
                  f"{args.optimizer}", log_y=True)
-  if not args.quiet:
+  if not quiet:
     print(f"{dataset.name}: held-out accuracy {eval_acc:.4f} "
           f"(loss {eval_loss:.4f}) after {args.steps} steps of "
           f"{args.optimizer}, {summary['wall_time_s']:.1f} s")

@@ -60,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="Add to each token's embedding a learned vector "
                      "times the number it stands for.")
   flags.add_training_flags(parser, steps=200, batch_size=56, eval_every=50,
+                           data_parallel=False,
                            default_optimizer="adam")
   args = parser.parse_args(argv)
   flags.check_common_args(parser, args)

@@ -9,12 +9,23 @@ and memory are spent. The steps here change the program itself:
 * :func:`train_step` (donated, in-place) and :func:`layerwise_train_step`
   (fused backward + update per layer of a scanned stack, LOMO-style).
 * :func:`frozen_train_step`: frozen leaves are never differentiated.
+* :func:`data_parallel_step`: data-parallel training over a mesh with a dense
+  or sparse gradient exchange (:func:`sparse_pmean`), one device or many
+  processes; :func:`collective_bytes` reads the traffic off the program.
 
 All take plain pytrees and a ``loss_fn(params, batch)``; :func:`split_model`
 turns a Flax NNX model into that form (Flax is imported only there).
 """
 
 from grpo_optax.training._nnx import PureModel
+from grpo_optax.training.distributed import collective_bytes
+from grpo_optax.training.distributed import collective_ops
+from grpo_optax.training.distributed import data_parallel_step
+from grpo_optax.training.distributed import DataParallelState
+from grpo_optax.training.distributed import DataParallelStep
+from grpo_optax.training.distributed import EXCHANGES
+from grpo_optax.training.distributed import ring_traffic
+from grpo_optax.training.distributed import sparse_pmean
 from grpo_optax.training._nnx import split_model
 from grpo_optax.training.freezing import FrozenStep
 from grpo_optax.training.freezing import frozen_train_step
@@ -32,6 +43,9 @@ from grpo_optax.training.immediate import train_step
 
 __all__ = (
     "DEFAULT_NONCORE_PATTERN",
+    "DataParallelState",
+    "DataParallelStep",
+    "EXCHANGES",
     "FrozenStep",
     "HierarchicalState",
     "HierarchicalStep",
@@ -39,10 +53,15 @@ __all__ = (
     "LayerwiseStep",
     "PureModel",
     "StackedParams",
+    "collective_bytes",
+    "collective_ops",
+    "data_parallel_step",
     "default_is_core",
     "frozen_train_step",
     "hierarchical_step",
     "layerwise_train_step",
+    "ring_traffic",
+    "sparse_pmean",
     "split_model",
     "stacked_loss_fn",
     "train_step",

@@ -1,0 +1,128 @@
+"""Starts one command as N cooperating JAX processes on this machine.
+
+    python -m examples.launch_multiprocess --num-processes 2 \\
+        --devices-per-process 4 -- \\
+        python -m examples.resnet_cifar10 --data-parallel --exchange all_gather
+
+Each process runs the command with ``--coordinator-address 127.0.0.1:PORT
+--num-processes N --process-id I`` appended (the examples pass these to
+``jax.distributed.initialize``, with gloo collectives on CPU), and with
+``XLA_FLAGS=--xla_force_host_platform_device_count=D`` when
+``--devices-per-process D`` is given, so the processes form one mesh of
+``N * D`` CPU devices. Output lines are prefixed with ``[I]``. If a process
+fails or the time limit passes, the others are stopped. On several machines,
+start the command yourself on each with the same coordinator address (a
+reachable host:port of process 0) and distinct process ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_port() -> int:
+  """A TCP port that was free a moment ago on localhost."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _pump(stream, prefix: str, out) -> None:
+  for line in iter(stream.readline, ""):
+    out.write(prefix + line)
+    out.flush()
+  stream.close()
+
+
+def launch(command: list[str], num_processes: int, *,
+           devices_per_process: int | None = None,
+           timeout: float | None = None, port: int | None = None,
+           out=None) -> int:
+  """Runs ``command`` as ``num_processes`` processes; returns the worst exit code.
+
+  Args:
+    command: the program and its arguments (the distributed flags are
+      appended).
+    num_processes: how many processes.
+    devices_per_process: forced CPU devices per process (None: leave
+      ``XLA_FLAGS`` as it is).
+    timeout: seconds before all processes are killed (exit code 124).
+    port: the coordinator's port (default: a free one).
+    out: where the prefixed output goes (default: ``sys.stdout``).
+  """
+  if num_processes < 1:
+    raise ValueError(f"`num_processes` must be >= 1, got {num_processes}.")
+  out = sys.stdout if out is None else out
+  address = f"127.0.0.1:{port or free_port()}"
+  env = dict(os.environ)
+  if devices_per_process is not None:
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+  procs, pumps = [], []
+  for i in range(num_processes):
+    argv = command + ["--coordinator-address", address, "--num-processes",
+                      str(num_processes), "--process-id", str(i)]
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out),
+                         daemon=True)
+    t.start()
+    procs.append(p)
+    pumps.append(t)
+  deadline = None if timeout is None else time.monotonic() + timeout
+  codes: dict[int, int] = {}
+  while len(codes) < num_processes:
+    for i, p in enumerate(procs):
+      if i not in codes and p.poll() is not None:
+        codes[i] = p.returncode
+    if any(c != 0 for c in codes.values()) or (
+        deadline is not None and time.monotonic() > deadline):
+      timed_out = not any(c != 0 for c in codes.values())
+      for i, p in enumerate(procs):
+        if i not in codes:
+          p.kill()
+          p.wait()
+          codes[i] = 124 if timed_out else p.returncode
+      break
+    time.sleep(0.05)
+  for t in pumps:
+    t.join(timeout=5)
+  return max(codes.values(), key=abs)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m examples.launch_multiprocess",
+      description="Run a command as N JAX processes on this machine "
+      "(jax.distributed over localhost).")
+  parser.add_argument("--num-processes", type=int, default=2)
+  parser.add_argument("--devices-per-process", type=int, default=None,
+                      help="Forced CPU devices per process.")
+  parser.add_argument("--timeout", type=float, default=None,
+                      help="Seconds before every process is killed.")
+  parser.add_argument("command", nargs=argparse.REMAINDER,
+                      help="The command, after '--'.")
+  args = parser.parse_args(argv)
+  command = args.command[1:] if args.command[:1] == ["--"] else args.command
+  if not command:
+    parser.error("give the command to run after '--'")
+  if args.num_processes < 1:
+    parser.error(f"--num-processes must be >= 1, got {args.num_processes}")
+  if args.devices_per_process is not None and args.devices_per_process < 1:
+    parser.error("--devices-per-process must be >= 1")
+  return launch(command, args.num_processes,
+                devices_per_process=args.devices_per_process,
+                timeout=args.timeout)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
