@@ -24,7 +24,7 @@ def _numpy_reference(params, grads, order, d, lo, hi, hessians=None):
   outs = []
   for t, g in enumerate(grads):
     bc = 1 - d ** (t + 1)
-    out = {}
+    out, ratio = {}, {}
     for k in g:
       gk = g[k].astype(np.float64)
       p = params[k].astype(np.float64)
@@ -36,10 +36,10 @@ def _numpy_reference(params, grads, order, d, lo, hi, hessians=None):
       s = np.abs(gk * p) + (0.5 * h_hat * p ** 2 if order == 2 else 0.0)
       s_ema[k] = d * s_ema[k] + (1 - d) * s
       s_hat = s_ema[k] / bc
-      w = np.clip(s_hat / (np.mean(s_hat) + 1e-12), lo, hi)
-      out[k] = gk * w
+      ratio[k] = s_hat / (np.mean(s_hat) + 1e-12)
+      out[k] = gk * np.clip(ratio[k], lo, hi)
     outs.append(out)
-  return outs
+  return outs, ratio
 
 
 @pytest.mark.parametrize("order", [1, 2])
@@ -49,12 +49,21 @@ def test_matches_numpy_reference(order):
                                       max_weight=3.0)
   state = tx.init(params)
   update = jax.jit(tx.update)
-  ref = _numpy_reference(params, grads, order, 0.8, 0.2, 3.0)
+  ref, ratio = _numpy_reference(params, grads, order, 0.8, 0.2, 3.0)
   for g, r in zip(grads, ref):
     out, state = update(g, state, params)
     for k in r:
       np.testing.assert_allclose(out[k], r[k], rtol=2e-4, atol=1e-6)
   assert (state.hessian is None) == (order == 1)
+  # Diagnostics over all elements (each leaf is its own sample here): the
+  # clipped weights, and the early-stop statistic std(S / mean(S)), which
+  # is taken before clipping (some ratios lie outside [0.2, 3]).
+  r = np.concatenate([ratio[k].ravel() for k in params])
+  w = np.clip(r, 0.2, 3.0)
+  assert np.any(r != w)
+  np.testing.assert_allclose(state.weight_mean, w.mean(), rtol=1e-5)
+  np.testing.assert_allclose(state.weight_std, w.std(), rtol=1e-4)
+  np.testing.assert_allclose(state.score_std, r.std(), rtol=1e-4)
 
 
 def test_order_matters():
@@ -73,7 +82,7 @@ def test_hessian_diag_extra_arg_replaces_fisher():
                for k, v in params.items()} for _ in grads]
   tx = grpo_optax.scale_by_importance(decay=0.9)
   state = tx.init(params)
-  ref = _numpy_reference(params, grads, 2, 0.9, 0.1, 10.0, hessians)
+  ref, _ = _numpy_reference(params, grads, 2, 0.9, 0.1, 10.0, hessians)
   for g, hd, r in zip(grads, hessians, ref):
     out, state = jax.jit(tx.update)(g, state, params, hessian_diag=hd)
     for k in r:
