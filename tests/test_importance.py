@@ -133,6 +133,45 @@ def test_diagnostics_follow_the_weights():
   assert float(state.score_std) > 0
 
 
+def test_diagnostics_of_large_leaves_are_size_weighted_samples():
+  """A leaf over 1,024 entries contributes its strided sample, weighted by n.
+
+  "big" has 4,096 entries (every 4th one sampled), "flat" 600 (all of them,
+  all weights 1); the estimates are the size-weighted means of the sample
+  means, 4,096 : 600, not 1,024 : 600.
+  """
+  rng = np.random.default_rng(2)
+  params = {"big": rng.normal(size=(64, 64)).astype(np.float32),
+            "flat": np.full(600, 0.5, np.float32)}
+  g = {"big": rng.normal(size=(64, 64)).astype(np.float32),
+       "flat": np.full(600, -2.0, np.float32)}
+  tx = grpo_optax.scale_by_importance(order=1)
+  out, state = tx.update(g, tx.init(params), params)
+  w = {k: np.asarray(out[k], np.float64).ravel() / g[k].ravel() for k in g}
+  r = {k: np.abs(g[k] * params[k]).ravel().astype(np.float64) for k in g}
+  r = {k: v / v.mean() for k, v in r.items()}
+  samples_w = {"big": w["big"][::4], "flat": w["flat"]}
+  samples_r = {"big": r["big"][::4], "flat": r["flat"]}
+
+  def mean(x, n):
+    return sum(n[k] * x[k].mean() for k in n) / sum(n.values())
+
+  n = {"big": 4096, "flat": 600}
+  w_mean = mean(samples_w, n)
+  np.testing.assert_allclose(state.weight_mean, w_mean, rtol=1e-5)
+  np.testing.assert_allclose(
+      state.weight_std,
+      np.sqrt(mean({k: v ** 2 for k, v in samples_w.items()}, n) - w_mean ** 2),
+      rtol=1e-4)
+  np.testing.assert_allclose(
+      state.score_std,
+      np.sqrt(mean({k: v ** 2 for k, v in samples_r.items()}, n)
+              - mean(samples_r, n) ** 2), rtol=1e-4)
+  # Weighting by the sample sizes instead would be off by far more.
+  by_sample = mean(samples_w, {"big": 1024, "flat": 600})
+  assert abs(by_sample - w_mean) > 1e-3, (by_sample, w_mean)
+
+
 def test_needs_params():
   tx = grpo_optax.scale_by_importance()
   g = {"w": jnp.ones(3)}

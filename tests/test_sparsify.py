@@ -212,6 +212,30 @@ def test_frequency_weight_rotates_kept_entries():
   assert s_freq.frequency["w"].dtype == jnp.float32
 
 
+def test_frequency_weight_matches_numpy_reference():
+  """score = (1-b)|a|/mean|a| - b f, f = EMA of the kept indicator (exact top-k)."""
+  b, d, fraction = 0.4, 0.7, 0.3
+  rng = np.random.default_rng(5)
+  grads = [{"w": rng.normal(size=20).astype(np.float32)} for _ in range(8)]
+  tx = grpo_optax.top_k_mask(fraction, frequency_weight=b, frequency_decay=d)
+  state = tx.init(grads[0])
+  update = jax.jit(tx.update)
+  r = np.zeros(20)
+  f = np.zeros(20)
+  k = math.ceil(fraction * 20)
+  for g in grads:
+    out, state = update(g, state)
+    a = g["w"] + r
+    score = (1 - b) * np.abs(a) / np.abs(a).mean() - b * f
+    keep = np.zeros(20, bool)
+    keep[np.argsort(-score, kind="stable")[:k]] = True
+    np.testing.assert_allclose(out["w"], np.where(keep, a, 0), rtol=1e-6)
+    r = np.where(keep, 0, a)
+    f = d * f + (1 - d) * keep
+    np.testing.assert_allclose(state.frequency["w"], f, rtol=1e-6)
+    np.testing.assert_allclose(state.residual["w"], r, rtol=1e-6, atol=1e-7)
+
+
 def _numpy_ema_threshold(grads, alpha, every, scale):
   r = tau = None
   outs = []
