@@ -690,8 +690,10 @@ def main(argv=None) -> int:
 
   started = time.monotonic()
   log(f"# tools/mutants.py  {time.strftime('%Y-%m-%d %H:%M:%S')}")
-  log(f"# python {platform.python_version()}, {os.cpu_count()} CPUs, "
-      f"{args.jobs} jobs, timeout {args.timeout:.0f} s per mutant")
+  load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+  log(f"# python {platform.python_version()}, {os.cpu_count()} CPUs (load"
+      f" average {load:.1f} at start), {args.jobs} jobs, timeout"
+      f" {args.timeout:.0f} s per mutant")
   results: list[Result] = []
   runnable = []
   for m in mutants:
@@ -736,9 +738,11 @@ def main(argv=None) -> int:
   if survived:
     log("SURVIVED: " + ", ".join(r.name for r in survived))
   minutes = (time.monotonic() - started) / 60
+  load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
   log(f"result: killed {len(killed)}/{len(real)} mutants; "
       f"{len(equiv)} equivalent; {len(survived)} survived; "
-      f"{len(errors)} errors; {minutes:.1f} min with {args.jobs} jobs")
+      f"{len(errors)} errors; {minutes:.1f} min with {args.jobs} jobs"
+      f" (load average {load:.1f} at the end)")
   _write(args.out, lines)
   return 0 if not survived and not errors and len(real) == len(killed) else 1
 
