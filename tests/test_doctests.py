@@ -23,7 +23,8 @@ def test_modules_with_examples_are_found():
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
   module = importlib.import_module(name)
-  source = open(module.__file__, encoding="utf-8").read()
+  with open(module.__file__, encoding="utf-8") as f:
+    source = f.read()
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
   assert result.failed == 0
   # Every ">>>" in the file is an example that ran (none hidden from doctest).
