@@ -28,6 +28,9 @@ class Case:
     optimizer: builds a full optimizer from the transform and ``lr``; by
       default ``chain(transform, scale(-lr))``.
     steps: convergence steps.
+    param_trees: how many param-shaped trees the state holds (moments,
+      residuals, per-leaf statistics), i.e. what ``optax.tree.map_params``
+      must reach; counted by hand from the state types.
   """
 
   name: str
@@ -38,6 +41,7 @@ class Case:
   optimizer: Callable[[optax.GradientTransformation, float],
                       optax.GradientTransformation] | None = None
   steps: int = 3000
+  param_trees: int = 0
 
   def make(self, **overrides) -> optax.GradientTransformation:
     return self.factory(**{**self.kwargs, **overrides})
@@ -70,44 +74,68 @@ CASES: list[Case] = [
          lr=2e-3, optimizer=_then_sgd, steps=4000),
     Case("variance_lr_leaf", grpo_optax.scale_by_variance_lr,
          dict(coef=0.1, decay=0.9), lr=2e-3, optimizer=_then_sgd,
-         steps=4000),
+         steps=4000, param_trees=2),  # mu, nu
     Case("variance_lr_element_normalized", grpo_optax.scale_by_variance_lr,
          dict(coef=0.5, decay=0.9, reduction="element", normalize=True),
-         lr=2e-3, optimizer=_then_sgd, steps=4000),
+         lr=2e-3, optimizer=_then_sgd, steps=4000, param_trees=2),
     Case("variance_lr_global", grpo_optax.scale_by_variance_lr,
          dict(coef=0.1, reduction="global"), lr=2e-3, optimizer=_then_sgd,
-         steps=4000),
+         steps=4000, param_trees=2),
     Case("nesterov_adam_rms", grpo_optax.scale_by_nesterov_adam_rms,
-         dict(adam_weight=0.5), lr=0.02),
+         dict(adam_weight=0.5), lr=0.02, param_trees=2),  # mu, nu
     Case("nesterov_adam_rms_filtered", grpo_optax.scale_by_nesterov_adam_rms,
-         dict(adam_weight=0.7, nesterov=False, filter_decay=0.5), lr=0.02),
+         dict(adam_weight=0.7, nesterov=False, filter_decay=0.5), lr=0.02,
+         param_trees=3),  # mu, nu, filtered
     Case("importance_order2", grpo_optax.scale_by_importance, dict(),
-         lr=8e-4, optimizer=_then_sgd, steps=4000),
+         lr=8e-4, optimizer=_then_sgd, steps=4000,
+         param_trees=2),  # hessian, score
     Case("importance_order1", grpo_optax.scale_by_importance,
          dict(order=1, decay=0.5, min_weight=0.5, max_weight=2.0),
          static_args=("order",), lr=2e-3,
-         optimizer=_then_sgd, steps=4000),
+         optimizer=_then_sgd, steps=4000, param_trees=1),  # score
     Case("topk_exact", grpo_optax.top_k_mask, dict(fraction=0.5), lr=1e-2,
-         optimizer=_then_adam, steps=4000),
+         optimizer=_then_adam, steps=4000, param_trees=1),  # residual
     Case("topk_sampled_freq_warmup", grpo_optax.top_k_mask,
          dict(fraction=0.3, method="sampled", frequency_weight=0.3,
               warmup_steps=5, min_size=9), lr=1e-2, optimizer=_then_adam,
-         steps=4000),
+         steps=4000, param_trees=2),  # residual, frequency
     Case("topk_no_feedback", grpo_optax.top_k_mask,
          dict(fraction=0.7, error_feedback=False), lr=1e-2,
          optimizer=_then_adam, steps=4000),
     Case("ema_threshold", grpo_optax.ema_threshold_mask, dict(every=3),
-         lr=1e-3, optimizer=_then_sgd, steps=4000),
+         lr=1e-3, optimizer=_then_sgd, steps=4000, param_trees=1),  # residual
     Case("freeze_below", grpo_optax.freeze_below,
          dict(threshold=0.3, warmup_steps=2), lr=2e-3, optimizer=_then_sgd,
-         steps=4000),
+         steps=4000, param_trees=2),  # per-leaf scalars: importance, frozen
+    # The one-pass preset: mu, nu, score, the error-feedback accumulator and
+    # per-leaf thresholds (+ tau for the threshold mask, + freezing's
+    # per-leaf importance and frozen flags).
     Case("grpo_topk", grpo_optax.grpo, dict(learning_rate=0.02),
-         optimizer=lambda tx, lr: tx),
+         optimizer=lambda tx, lr: tx, param_trees=5),
     Case("grpo_threshold", grpo_optax.grpo,
          dict(learning_rate=0.02, sparsify="threshold", every=10),
-         optimizer=lambda tx, lr: tx),
+         optimizer=lambda tx, lr: tx, param_trees=6),
     Case("grpo_dense_freeze", grpo_optax.grpo,
          dict(learning_rate=0.02, sparsify=None, freeze_threshold=0.05,
+              freeze_warmup_steps=10, importance_placement="output",
+              variance_reduction="global", l2=1e-3),
+         optimizer=lambda tx, lr: tx, param_trees=5),
+    Case("grpo_topk_output_no_feedback", grpo_optax.grpo,
+         dict(learning_rate=0.02, importance_placement="output",
+              error_feedback=False, fraction=0.7, variance_normalize=True,
+              variance_reduction="element", rms_bias_correction=True),
+         optimizer=lambda tx, lr: tx, param_trees=4),
+    # The chain (fused=False, or a setting the one-pass form does not cover):
+    # importance 2, residual 1, adaptive 2 (3 with the noise filter),
+    # variance 2, freezing 2.
+    Case("grpo_topk_chain", grpo_optax.grpo,
+         dict(learning_rate=0.02, fused=False),
+         optimizer=lambda tx, lr: tx, param_trees=7),
+    Case("grpo_threshold_chain", grpo_optax.grpo,
+         dict(learning_rate=0.02, sparsify="threshold", every=10, fused=False),
+         optimizer=lambda tx, lr: tx, param_trees=7),
+    Case("grpo_dense_freeze_filter_chain", grpo_optax.grpo,
+         dict(learning_rate=0.02, sparsify=None, freeze_threshold=0.05,
               freeze_warmup_steps=10, filter_decay=0.5),
-         optimizer=lambda tx, lr: tx),
+         optimizer=lambda tx, lr: tx, param_trees=9),
 ]

@@ -84,13 +84,24 @@ def test_pixel_layout(cifar):
 
 
 def test_load_cifar10_normalises_and_truncates(cifar):
-  _, folder, _ = cifar
+  batches, folder, _ = cifar
   ds = ip.load_cifar10(str(folder), max_train=7, max_test=1)
   assert ds.train_images.shape == (7, 32, 32, 3)
   assert ds.test_images.shape == (1, 32, 32, 3)
   assert ds.train_images.dtype == np.float32
+  # Standardised per channel with the statistics of the 7 kept images.
   np.testing.assert_allclose(ds.train_images.mean(axis=(0, 1, 2)), 0,
                              atol=1e-4)
+  np.testing.assert_allclose(ds.train_images.std(axis=(0, 1, 2)), 1,
+                             rtol=1e-4)
+  # The test image with the training statistics, computed here in float64.
+  train, _ = _expected(batches, ip.CIFAR10_TRAIN_BATCHES)
+  test, _ = _expected(batches, [ip.CIFAR10_TEST_BATCH])
+  train = train[:7].astype(np.float64) / 255
+  mean, std = train.mean(axis=(0, 1, 2)), train.std(axis=(0, 1, 2))
+  np.testing.assert_allclose(ds.test_images[0],
+                             (test[0] / 255 - mean) / std, rtol=1e-4,
+                             atol=1e-5)
 
 
 def test_missing_data_gives_clear_error(tmp_path):

@@ -219,8 +219,9 @@ def test_bad_resnet_flags(capsys, argv, message):
     (["--vocab-size", "100"], "--vocab-size"),
 ])
 def test_bad_bert_flags(capsys, argv, message):
-  with pytest.raises(SystemExit):
+  with pytest.raises(SystemExit) as exit_info:
     bert_main.parse_args(argv)
+  assert exit_info.value.code == 2  # argparse's usage error
   assert message in capsys.readouterr().err
 
 

@@ -24,7 +24,7 @@ def _numpy_reference(params, grads, order, d, lo, hi, hessians=None):
   outs = []
   for t, g in enumerate(grads):
     bc = 1 - d ** (t + 1)
-    out = {}
+    out, ratio = {}, {}
     for k in g:
       gk = g[k].astype(np.float64)
       p = params[k].astype(np.float64)
@@ -36,10 +36,10 @@ def _numpy_reference(params, grads, order, d, lo, hi, hessians=None):
       s = np.abs(gk * p) + (0.5 * h_hat * p ** 2 if order == 2 else 0.0)
       s_ema[k] = d * s_ema[k] + (1 - d) * s
       s_hat = s_ema[k] / bc
-      w = np.clip(s_hat / (np.mean(s_hat) + 1e-12), lo, hi)
-      out[k] = gk * w
+      ratio[k] = s_hat / (np.mean(s_hat) + 1e-12)
+      out[k] = gk * np.clip(ratio[k], lo, hi)
     outs.append(out)
-  return outs
+  return outs, ratio
 
 
 @pytest.mark.parametrize("order", [1, 2])
@@ -49,12 +49,21 @@ def test_matches_numpy_reference(order):
                                       max_weight=3.0)
   state = tx.init(params)
   update = jax.jit(tx.update)
-  ref = _numpy_reference(params, grads, order, 0.8, 0.2, 3.0)
+  ref, ratio = _numpy_reference(params, grads, order, 0.8, 0.2, 3.0)
   for g, r in zip(grads, ref):
     out, state = update(g, state, params)
     for k in r:
       np.testing.assert_allclose(out[k], r[k], rtol=2e-4, atol=1e-6)
   assert (state.hessian is None) == (order == 1)
+  # Diagnostics over all elements (each leaf is its own sample here): the
+  # clipped weights, and the early-stop statistic std(S / mean(S)), which
+  # is taken before clipping (some ratios lie outside [0.2, 3]).
+  r = np.concatenate([ratio[k].ravel() for k in params])
+  w = np.clip(r, 0.2, 3.0)
+  assert np.any(r != w)
+  np.testing.assert_allclose(state.weight_mean, w.mean(), rtol=1e-5)
+  np.testing.assert_allclose(state.weight_std, w.std(), rtol=1e-4)
+  np.testing.assert_allclose(state.score_std, r.std(), rtol=1e-4)
 
 
 def test_order_matters():
@@ -73,7 +82,7 @@ def test_hessian_diag_extra_arg_replaces_fisher():
                for k, v in params.items()} for _ in grads]
   tx = grpo_optax.scale_by_importance(decay=0.9)
   state = tx.init(params)
-  ref = _numpy_reference(params, grads, 2, 0.9, 0.1, 10.0, hessians)
+  ref, _ = _numpy_reference(params, grads, 2, 0.9, 0.1, 10.0, hessians)
   for g, hd, r in zip(grads, hessians, ref):
     out, state = jax.jit(tx.update)(g, state, params, hessian_diag=hd)
     for k in r:
@@ -122,6 +131,45 @@ def test_diagnostics_follow_the_weights():
   np.testing.assert_allclose(state.weight_mean, w.mean(), rtol=1e-4)
   np.testing.assert_allclose(state.weight_std, w.std(), rtol=1e-3)
   assert float(state.score_std) > 0
+
+
+def test_diagnostics_of_large_leaves_are_size_weighted_samples():
+  """A leaf over 1,024 entries contributes its strided sample, weighted by n.
+
+  "big" has 4,096 entries (every 4th one sampled), "flat" 600 (all of them,
+  all weights 1); the estimates are the size-weighted means of the sample
+  means, 4,096 : 600, not 1,024 : 600.
+  """
+  rng = np.random.default_rng(2)
+  params = {"big": rng.normal(size=(64, 64)).astype(np.float32),
+            "flat": np.full(600, 0.5, np.float32)}
+  g = {"big": rng.normal(size=(64, 64)).astype(np.float32),
+       "flat": np.full(600, -2.0, np.float32)}
+  tx = grpo_optax.scale_by_importance(order=1)
+  out, state = tx.update(g, tx.init(params), params)
+  w = {k: np.asarray(out[k], np.float64).ravel() / g[k].ravel() for k in g}
+  r = {k: np.abs(g[k] * params[k]).ravel().astype(np.float64) for k in g}
+  r = {k: v / v.mean() for k, v in r.items()}
+  samples_w = {"big": w["big"][::4], "flat": w["flat"]}
+  samples_r = {"big": r["big"][::4], "flat": r["flat"]}
+
+  def mean(x, n):
+    return sum(n[k] * x[k].mean() for k in n) / sum(n.values())
+
+  n = {"big": 4096, "flat": 600}
+  w_mean = mean(samples_w, n)
+  np.testing.assert_allclose(state.weight_mean, w_mean, rtol=1e-5)
+  np.testing.assert_allclose(
+      state.weight_std,
+      np.sqrt(mean({k: v ** 2 for k, v in samples_w.items()}, n) - w_mean ** 2),
+      rtol=1e-4)
+  np.testing.assert_allclose(
+      state.score_std,
+      np.sqrt(mean({k: v ** 2 for k, v in samples_r.items()}, n)
+              - mean(samples_r, n) ** 2), rtol=1e-4)
+  # Weighting by the sample sizes instead would be off by far more.
+  by_sample = mean(samples_w, {"big": 1024, "flat": 600})
+  assert abs(by_sample - w_mean) > 1e-3, (by_sample, w_mean)
 
 
 def test_needs_params():

@@ -35,7 +35,7 @@ def _assert_trees_close(xs, ys, rtol):
                                                          atol=1e-7), x, y)
 
 
-@pytest.mark.parametrize("eps_root", [0.0, 1e-8])
+@pytest.mark.parametrize("eps_root", [0.0, 0.1])  # 0.1: as large as v
 def test_adam_limit(eps_root):
   grads = _grad_seq()
   ours = grpo_optax.scale_by_nesterov_adam_rms(

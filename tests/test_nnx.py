@@ -100,7 +100,14 @@ def test_nnx_optimizer_trains_attention_model_with_head_entropy():
   assert "importance/weights" in grpo_optax.metrics(optimizer.opt_state)
 
 
-def test_head_entropy_changes_the_update():
+def test_head_entropy_scales_each_heads_update():
+  """Through nnx.Optimizer, head h's update is multiplied by e_h / mean(e).
+
+  The importance stage alone (every other stage off), so the update is
+  ``-lr * g * w * e / mean(e)`` and the ratio of the two runs' updates is
+  exactly the entropy factor per head (Adam after it would cancel most of
+  any scale).
+  """
   model = Classifier(nnx.Rngs(1))
   tokens, labels = _data()
 
@@ -120,13 +127,27 @@ def test_head_entropy_changes_the_update():
     else:
       opt.update(m, g, head_entropy=head_entropy)
 
-  results = []
+  deltas = []
   for head_entropy in (None, head_entropy_tree(model, ent)):
     m = nnx.clone(model)
-    opt = nnx.Optimizer(m, grpo_optax.grpo(1e-2, sparsify=None), wrt=nnx.Param)
+    # A large rate: the parameter change is the update to float32 precision.
+    tx = grpo_optax.grpo(1e5, max_norm=None, sparsify=None, adaptive=False,
+                         variance_coef=None)
+    opt = nnx.Optimizer(m, tx, wrt=nnx.Param)
     update(m, opt, g, head_entropy)
-    results.append(np.asarray(m.attn.query.kernel[...]))
-  before = np.asarray(model.attn.query.kernel[...])
-  d0, d1 = results[0] - before, results[1] - before
-  assert not np.allclose(d0, d1)
-  np.testing.assert_allclose(np.asarray(m.head.kernel[...]).shape, (DIM, CLASSES))
+    deltas.append({name: np.asarray(getattr(m.attn, name).kernel[...])
+                   - np.asarray(getattr(model.attn, name).kernel[...])
+                   for name in ("query", "out")}
+                  | {"head": np.asarray(m.head.kernel[...])
+                     - np.asarray(model.head.kernel[...])})
+  plain, weighted = deltas
+  factor = np.asarray(ent / ent.mean())
+  # atol: the rounding of p + u (|p| < 2) is far below most updates.
+  assert np.mean(np.abs(plain["query"]) > 1e-2) > 0.9
+  np.testing.assert_allclose(weighted["query"],  # [DIM, H, D]
+                             plain["query"] * factor[None, :, None],
+                             rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(weighted["out"],  # [H, D, DIM]
+                             plain["out"] * factor[:, None, None],
+                             rtol=1e-4, atol=1e-6)
+  np.testing.assert_array_equal(weighted["head"], plain["head"])

@@ -81,15 +81,58 @@ def test_schedule_and_inject_hyperparams():
   assert float(optax.tree.norm(u1)) > 0 and float(optax.tree.norm(u2)) == 0
 
 
-def test_extra_args_reach_the_stages():
+def _only(learning_rate, **stage_kwargs):
+  """grpo() with every stage off except those that stage_kwargs turn on."""
+  kw = dict(max_norm=None, importance=False, sparsify=None, adaptive=False,
+            variance_coef=None)
+  return grpo_optax.grpo(learning_rate, **{**kw, **stage_kwargs})
+
+
+def test_extra_args_reach_the_importance_stage():
+  """hessian_diag and head_entropy, against the first step's closed form.
+
+  With one step the bias-corrected EMAs equal the step's values:
+  ``s = |g p| + h p^2 / 2``, ``w = clip(s / mean(s), 0.1, 10) * e / mean(e)``.
+  """
   params = _init()
   x, y = _data()
   g = jax.grad(_loss)(params, x, y)
-  tx = grpo_optax.grpo(1e-2, sparsify=None)
-  u_plain, _ = tx.update(g, tx.init(params), params)
-  hd = jax.tree.map(lambda p: jnp.full_like(p, 100.0), params)
-  u_h, _ = tx.update(g, tx.init(params), params, hessian_diag=hd)
-  assert not np.allclose(u_plain["hidden"]["kernel"], u_h["hidden"]["kernel"])
+  rng = np.random.default_rng(3)
+  hd = jax.tree.map(
+      lambda p: jnp.asarray(np.abs(rng.normal(size=p.shape)) * 50, p.dtype),
+      params)
+  ent = np.array([0.5, 1.0, 2.5, 4.0], np.float32)
+  head_entropy = {"hidden": {"kernel": None, "bias": None},
+                  "out": {"kernel": grpo_optax.per_head(ent, axis=1, ndim=2),
+                          "bias": None}}
+  tx = _only(0.5, importance=True)
+  u, _ = tx.update(g, tx.init(params), params, hessian_diag=hd,
+                   head_entropy=head_entropy)
+  for path in (("hidden", "kernel"), ("hidden", "bias"), ("out", "kernel")):
+    gi, p, h = (np.asarray(t[path[0]][path[1]], np.float64)
+                for t in (g, params, hd))
+    s = np.abs(gi * p) + 0.5 * h * p ** 2
+    w = np.clip(s / (s.mean() + 1e-12), 0.1, 10.0)
+    if path == ("out", "kernel"):
+      w = w * ent / ent.mean()
+    np.testing.assert_allclose(u[path[0]][path[1]], -0.5 * gi * w, rtol=2e-5,
+                               atol=1e-9, err_msg=str(path))
+
+
+def test_extra_arg_reaches_the_variance_stage():
+  """grad_variance replaces the estimate: out = -lr * g / (1 + coef * v)."""
+  params = _init()
+  x, y = _data()
+  g = jax.grad(_loss)(params, x, y)
+  rng = np.random.default_rng(4)
+  gv = jax.tree.map(
+      lambda p: jnp.asarray(np.abs(rng.normal(size=p.shape)) * 3, p.dtype),
+      params)
+  tx = _only(0.5, variance_coef=0.7, variance_reduction="element")
+  u, _ = tx.update(g, tx.init(params), params, grad_variance=gv)
+  jax.tree.map(lambda ui, gi, vi: np.testing.assert_allclose(
+      ui, -0.5 * np.asarray(gi) / (1 + 0.7 * np.asarray(vi)), rtol=1e-6),
+               u, g, gv)
 
 
 @pytest.mark.parametrize("kwargs,name", [

@@ -92,17 +92,29 @@ def test_freezing_lowers_compiled_flops():
 
 def test_cache_keyed_by_mask_and_device_masks():
   tx = optax.sgd(0.1)
-  fs = training.frozen_train_step(_loss, tx, max_cached=2)
+  traced = []
+
+  def loss(params, batch):
+    traced.append(None)  # once per compilation of a mask's step
+    return _loss(params, batch)
+
+  fs = training.frozen_train_step(loss, tx, max_cached=2)
   params = _params()
   p, s = _copy(params), tx.init(params)
-  m1 = _bottom_frozen(params, 1)
+  m1, m2, m3 = (_bottom_frozen(params, k) for k in (1, 3, 0))
   m1_device = jax.tree.map(jnp.asarray, m1)  # e.g. from frozen_mask(state)
   p, s, _ = fs.step(p, s, _batch(0), m1)
   p, s, _ = fs.step(p, s, _batch(1), m1_device)
-  assert fs.num_compiled == 1
-  p, s, _ = fs.step(p, s, _batch(2), _bottom_frozen(params, 3))
-  p, s, _ = fs.step(p, s, _batch(3), _bottom_frozen(params, 0))
-  assert fs.num_compiled == 2  # least recently used mask evicted
+  assert fs.num_compiled == 1 and len(traced) == 1
+  p, s, _ = fs.step(p, s, _batch(2), m2)
+  p, s, _ = fs.step(p, s, _batch(3), m1)  # m1 is now the most recent
+  assert len(traced) == 2
+  p, s, _ = fs.step(p, s, _batch(4), m3)  # evicts m2, the least recent
+  assert fs.num_compiled == 2 and len(traced) == 3
+  p, s, _ = fs.step(p, s, _batch(5), m1)  # still cached (FIFO would evict it)
+  assert len(traced) == 3
+  p, s, _ = fs.step(p, s, _batch(6), m2)  # compiled again
+  assert fs.num_compiled == 2 and len(traced) == 4
   np.testing.assert_array_equal(p["embed"], params["embed"])
 
 

@@ -61,8 +61,8 @@ def _numpy_reference(grads, coef, d, eps, reduction, normalize):
     if normalize:
       var = {k: var[k] / (nuh[k] + eps) for k in var}
     outs.append({k: g[k] / (1 + coef * var[k]) for k in g})
-    variances.append(var)
-  return outs
+    variances.append({k: np.broadcast_to(var[k], g[k].shape) for k in g})
+  return outs, variances
 
 
 @pytest.mark.parametrize("reduction", ["element", "leaf", "global"])
@@ -72,12 +72,17 @@ def test_matches_numpy_reference(reduction, normalize):
   tx = grpo_optax.scale_by_variance_lr(coef=0.7, decay=0.9, eps=1e-8,
                                        reduction=reduction, normalize=normalize)
   outs, state = _run(tx, grads)
-  ref = _numpy_reference(grads, 0.7, 0.9, 1e-8, reduction, normalize)
+  ref, variances = _numpy_reference(grads, 0.7, 0.9, 1e-8, reduction, normalize)
   for u, r in zip(outs, ref):
     for k in r:
       np.testing.assert_allclose(u[k], r[k], rtol=2e-4, atol=1e-7)
-  assert 0.0 < float(state.lr_scale) < 1.0
-  assert float(state.variance) > 0.0
+  # Diagnostics: means over all elements (every leaf is its own sample here)
+  # of the variance and of the rate 1 / (1 + coef * variance).
+  var = np.concatenate([np.ravel(v) for v in variances[-1].values()])
+  np.testing.assert_allclose(state.variance, var.mean(), rtol=1e-4)
+  np.testing.assert_allclose(state.lr_scale, np.mean(1 / (1 + 0.7 * var)),
+                             rtol=1e-5)
+  assert float(state.lr_scale) < 0.9  # the variance is not negligible
 
 
 def test_grad_variance_extra_arg_replaces_estimate():

@@ -1,0 +1,312 @@
+"""grpo(**kw) is the chain of its stages, with every keyword at its stage.
+
+The wiring table below is the specification (SPEC §1, "Preset"): which stage
+each keyword of ``grpo`` configures, under which name, and the stage order.
+``test_grpo_equals_the_explicit_chain`` builds that chain by hand for a grid
+of non-default knobs and compares updates and whole states bit for bit.
+``check_every_knob_changes_its_stage`` (run by ``tools/mutants.py``, too
+slow for the suite) shows that the grid can see every keyword: reset to the
+value its stage would take by default (as if ``grpo`` had not passed it on),
+each one changes its stage's output or state on the inputs that stage
+receives in the grid.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import grpo_optax
+
+# The form of the preset under test. When grpo() gets its one-pass form, set
+# this to dict(fused=False): the chain form must stay equal to the stages.
+PRESET_FORM: dict = {"fused": False}
+
+# Stage order of the chain (SPEC §1) and the factory of each stage.
+STAGES = {
+    "clip": grpo_optax.clip_with_l2,
+    "importance": grpo_optax.scale_by_importance,
+    "topk": grpo_optax.top_k_mask,
+    "threshold": grpo_optax.ema_threshold_mask,
+    "adaptive": grpo_optax.scale_by_nesterov_adam_rms,
+    "variance": grpo_optax.scale_by_variance_lr,
+    "lr": optax.scale_by_learning_rate,
+    "freeze": grpo_optax.freeze_below,
+}
+
+# keyword of grpo -> [(stage, argument of the stage factory), ...]
+WIRING = {
+    "learning_rate": [("lr", "learning_rate")],
+    "max_norm": [("clip", "max_norm")],
+    "l2": [("clip", "l2")],
+    "importance_order": [("importance", "order")],
+    "importance_decay": [("importance", "decay")],
+    "min_weight": [("importance", "min_weight")],
+    "max_weight": [("importance", "max_weight")],
+    "fraction": [("topk", "fraction")],
+    "topk_method": [("topk", "method")],
+    "error_feedback": [("topk", "error_feedback"),
+                       ("threshold", "error_feedback")],
+    "frequency_weight": [("topk", "frequency_weight")],
+    "min_size": [("topk", "min_size")],
+    "sparsify_warmup_steps": [("topk", "warmup_steps")],
+    "seed": [("topk", "seed")],
+    "alpha": [("threshold", "alpha")],
+    "every": [("threshold", "every")],
+    "threshold_scale": [("threshold", "scale")],
+    "b1": [("adaptive", "b1")],
+    "b2": [("adaptive", "b2")],
+    "eps": [("adaptive", "eps")],
+    "eps_root": [("adaptive", "eps_root")],
+    "adam_weight": [("adaptive", "adam_weight")],
+    "nesterov": [("adaptive", "nesterov")],
+    "filter_decay": [("adaptive", "filter_decay")],
+    "mu_dtype": [("adaptive", "mu_dtype")],
+    "variance_coef": [("variance", "coef")],
+    "variance_decay": [("variance", "decay")],
+    "variance_reduction": [("variance", "reduction")],
+    "variance_normalize": [("variance", "normalize")],
+    "freeze_threshold": [("freeze", "threshold")],
+    "freeze_decay": [("freeze", "decay")],
+    "freeze_warmup_steps": [("freeze", "warmup_steps")],
+}
+# Keywords that switch stages on and off (their effect is the chain's
+# structure, compared exactly by the equality test).
+SWITCHES = ("importance", "sparsify", "adaptive")
+
+# The seed defaults (SPEC §1): grpo() must use exactly these.
+DEFAULTS = dict(
+    learning_rate=1e-3, max_norm=1.0, l2=0.0, importance=True,
+    importance_order=2, importance_decay=0.9, min_weight=0.1, max_weight=10.0,
+    sparsify="topk", fraction=0.3, topk_method="sampled", error_feedback=True,
+    frequency_weight=0.0, min_size=0, sparsify_warmup_steps=0, alpha=0.7,
+    every=100, threshold_scale=1.0, adaptive=True, b1=0.9, b2=0.999, eps=1e-8,
+    eps_root=0.0, adam_weight=0.5, nesterov=True, filter_decay=None,
+    mu_dtype=None, variance_coef=0.1, variance_decay=0.99,
+    variance_reduction="leaf", variance_normalize=False, freeze_threshold=None,
+    freeze_decay=0.9, freeze_warmup_steps=100, seed=0)
+
+# Every value differs from its default and from the other knobs of the
+# same kind (decays, epsilons), so a knob passed to the wrong stage shows.
+GRID = {
+    "topk_sampled": dict(
+        learning_rate=optax.linear_schedule(0.05, 0.01, 4), max_norm=0.5,
+        l2=1e-3, importance_decay=0.8, min_weight=0.3, max_weight=2.5,
+        fraction=0.4, frequency_weight=0.2, min_size=10,
+        sparsify_warmup_steps=3, seed=7, b1=0.8, b2=0.95, eps=1e-3,
+        eps_root=1e-4, adam_weight=0.3, nesterov=False, filter_decay=0.6,
+        variance_coef=0.5, variance_decay=0.9, variance_reduction="element",
+        variance_normalize=True, freeze_threshold=0.5, freeze_decay=0.6,
+        freeze_warmup_steps=2),
+    "threshold": dict(
+        learning_rate=0.02, max_norm=None, l2=1e-2, importance_order=1,
+        sparsify="threshold", alpha=0.4, every=2, threshold_scale=0.8,
+        error_feedback=False, adam_weight=0.8, mu_dtype=jnp.bfloat16,
+        variance_coef=2.0, variance_reduction="global"),
+    "exact_topk_only": dict(
+        learning_rate=0.1, max_norm=None, importance=False, topk_method="exact",
+        fraction=0.25, error_feedback=False, adaptive=False, variance_coef=None),
+    "defaults": dict(),
+}
+STEPS = 5
+
+
+def _stage_kwargs(kw: dict, stage: str) -> dict:
+  out = {}
+  for knob, targets in WIRING.items():
+    for st, arg in targets:
+      if st == stage:
+        out[arg] = kw[knob]
+  if stage == "clip" and out["max_norm"] is None:
+    out["max_norm"] = float("inf")
+  return out
+
+
+def explicit_stages(**overrides) -> list[tuple[str, optax.GradientTransformation]]:
+  """The stages of SPEC §1's chain, built from the wiring table."""
+  kw = {**DEFAULTS, **overrides}
+  on = {
+      "clip": kw["max_norm"] is not None or kw["l2"] != 0,
+      "importance": kw["importance"],
+      "topk": kw["sparsify"] == "topk",
+      "threshold": kw["sparsify"] == "threshold",
+      "adaptive": kw["adaptive"],
+      "variance": kw["variance_coef"] is not None,
+      "lr": True,
+      "freeze": kw["freeze_threshold"] is not None,
+  }
+  return [(name, STAGES[name](**_stage_kwargs(kw, name)))
+          for name in STAGES if on[name]]
+
+
+def _params():
+  rng = np.random.default_rng(0)
+  # "big" is sampled by the sampled top-k (2,304 > 1,024 entries); "small"
+  # is below the grid's min_size and its tiny params get it frozen; "mid"
+  # freezes under the grid's threshold 0.5, not under the default 0.3.
+  return {"big": jnp.asarray(rng.normal(size=(48, 48)), jnp.float32),
+          "mid": jnp.full((4, 5), 0.1, jnp.float32),
+          "small": jnp.full((6,), 1e-3, jnp.float32)}
+
+
+def _grads(i, params):
+  rng = np.random.default_rng(100 + i)
+  return {k: jnp.asarray(rng.normal(size=v.shape) * (1 + i), jnp.float32)
+          for k, v in params.items()}
+
+
+def _extra(params):
+  """Extra args for the importance and variance stages."""
+  rng = np.random.default_rng(1)
+  return dict(
+      hessian_diag={k: jnp.asarray(np.abs(rng.normal(size=v.shape)), v.dtype)
+                    for k, v in params.items()},
+      head_entropy={"big": grpo_optax.per_head(jnp.linspace(0.5, 2.0, 48),
+                                               axis=0, ndim=2),
+                    **{k: None for k in params if k != "big"}},
+      grad_variance={k: jnp.asarray(np.abs(rng.normal(size=v.shape)), v.dtype)
+                     for k, v in params.items()})
+
+
+def _assert_trees_equal(a, b, what):
+  assert jax.tree.structure(a) == jax.tree.structure(b), what
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert jnp.asarray(x).dtype == jnp.asarray(y).dtype, what
+    np.testing.assert_array_equal(x, y, err_msg=what)
+
+
+def test_signature_defaults_are_the_seed_defaults():
+  sig = inspect.signature(grpo_optax.grpo)
+  got = {name: p.default for name, p in sig.parameters.items()
+         if name not in PRESET_FORM}
+  assert got == DEFAULTS
+
+
+def test_grid_covers_every_keyword():
+  """Every keyword is wired in the table and set off its default in the grid."""
+  names = set(inspect.signature(grpo_optax.grpo).parameters) - set(PRESET_FORM)
+  assert names == set(WIRING) | set(SWITCHES)
+  for knob in names:
+    assert any(knob in kw and kw[knob] is not DEFAULTS[knob]
+               and kw[knob] != DEFAULTS[knob] for kw in GRID.values()), knob
+
+
+@pytest.mark.parametrize("name", list(GRID))
+def test_grpo_equals_the_explicit_chain(name):
+  kw = GRID[name]
+  params = _params()
+  extra = _extra(params) if name == "topk_sampled" else {}
+  tx = grpo_optax.grpo(**PRESET_FORM, **kw)
+  chain = optax.chain(*[s for _, s in explicit_stages(**kw)])
+
+  @jax.jit
+  def both(g, s1, s2):  # one program: XLA shares the identical work
+    return (tx.update(g, s1, params, **extra),
+            chain.update(g, s2, params, **extra))
+
+  s1, s2 = tx.init(params), chain.init(params)
+  _assert_trees_equal(s1, s2, "init")
+  for i in range(STEPS):
+    (u1, s1), (u2, s2) = both(_grads(i, params), s1, s2)
+    _assert_trees_equal(u1, u2, f"updates at step {i}")
+    _assert_trees_equal(s1, s2, f"state at step {i}")
+  assert float(optax.tree.norm(u1)) > 0
+
+
+def _factory_default(stage: str, arg: str):
+  return inspect.signature(STAGES[stage]).parameters[arg].default
+
+
+def _run_stage(tx, inputs, params, extra):
+  tx = optax.with_extra_args_support(tx)
+  update = jax.jit(lambda g, s: tx.update(g, s, params, **extra))
+  state = tx.init(params)
+  outs = []
+  for g in inputs:
+    u, state = update(g, state)
+    outs.append(u)
+  return outs, state
+
+
+def _differ(a, b) -> bool:
+  if jax.tree.structure(a) != jax.tree.structure(b):
+    return True
+  return any(jnp.asarray(x).dtype != jnp.asarray(y).dtype
+             or not np.array_equal(np.asarray(x, np.float64),
+                                   np.asarray(y, np.float64))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def check_every_knob_changes_its_stage(name: str) -> list[str]:
+  """Each knob, set to its stage factory's own default, changes the stage.
+
+  Not a test (it compiles every stage about 40 times, about a minute on two
+  cores): ``tools/mutants.py`` runs it for the "topk_sampled" and
+  "threshold" entries, which between them cover every keyword (the third
+  entry's exact top-k knobs ``fraction`` and ``topk_method`` are covered by
+  the first). Each stage runs alone on the inputs it receives in the chain,
+  with the grid's value and with the factory's default (what the stage gets
+  if ``grpo`` does not pass the knob on). Every knob whose value differs
+  from that default must change the stage's updates or state; then a
+  keyword that ``grpo`` dropped or sent elsewhere breaks
+  ``test_grpo_equals_the_explicit_chain``.
+
+  Returns:
+    The keywords checked.
+
+  Raises:
+    AssertionError: naming a knob that does not change its stage.
+  """
+  kw = {**DEFAULTS, **GRID[name]}
+  params = _params()
+  extra = _extra(params) if name == "topk_sampled" else {}
+  stages = explicit_stages(**GRID[name])
+  # The inputs of every stage, step by step, as the chain passes them on.
+  inputs = {st: [] for st, _ in stages}
+  references = {}
+  states = [tx.init(params) for _, tx in stages]
+  updates = [jax.jit(lambda g, s, tx=optax.with_extra_args_support(tx):
+                     tx.update(g, s, params, **extra)) for _, tx in stages]
+  outs = {st: [] for st, _ in stages}
+  for i in range(STEPS):
+    x = _grads(i, params)
+    for j, (st, _) in enumerate(stages):
+      inputs[st].append(x)
+      x, states[j] = updates[j](x, states[j])
+      outs[st].append(x)
+  references = {st: (outs[st], states[j]) for j, (st, _) in enumerate(stages)}
+  checked = set()
+  for knob, targets in WIRING.items():
+    for stage, arg in targets:
+      if stage not in references:
+        continue
+      default = (DEFAULTS[knob] if stage == "lr"
+                 else _factory_default(stage, arg))
+      if default is kw[knob] or default == kw[knob]:
+        continue
+      changed = _run_stage(
+          STAGES[stage](**{**_stage_kwargs(kw, stage), arg: default}),
+          inputs[stage], params, extra)
+      assert _differ(references[stage], changed), (knob, stage)
+      checked.add(knob)
+  expected = {k for k in GRID[name] if k in WIRING}
+  assert expected <= checked, expected - checked
+  return sorted(checked)
+
+
+def check_knob_sensitivity() -> list[str]:
+  """Runs the check on the two grid entries; together they cover every knob."""
+  checked = set()
+  for entry in ("topk_sampled", "threshold"):
+    checked |= set(check_every_knob_changes_its_stage(entry))
+  assert checked == set(WIRING), set(WIRING) - checked
+  return sorted(checked)
+
+
+if __name__ == "__main__":
+  print("knobs that change their stage:", " ".join(check_knob_sensitivity()))
