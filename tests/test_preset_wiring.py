@@ -66,29 +66,33 @@ WIRING = {
     "adam_weight": [("adaptive", "adam_weight")],
     "nesterov": [("adaptive", "nesterov")],
     "filter_decay": [("adaptive", "filter_decay")],
+    "rms_bias_correction": [("adaptive", "rms_bias_correction")],
     "mu_dtype": [("adaptive", "mu_dtype")],
     "variance_coef": [("variance", "coef")],
     "variance_decay": [("variance", "decay")],
     "variance_reduction": [("variance", "reduction")],
     "variance_normalize": [("variance", "normalize")],
+    "variance_eps": [("variance", "eps")],
     "freeze_threshold": [("freeze", "threshold")],
     "freeze_decay": [("freeze", "decay")],
     "freeze_warmup_steps": [("freeze", "warmup_steps")],
 }
 # Keywords that switch stages on and off (their effect is the chain's
 # structure, compared exactly by the equality test).
-SWITCHES = ("importance", "sparsify", "adaptive")
+SWITCHES = ("importance", "sparsify", "adaptive", "importance_placement")
 
 # The seed defaults (SPEC §1): grpo() must use exactly these.
 DEFAULTS = dict(
     learning_rate=1e-3, max_norm=1.0, l2=0.0, importance=True,
     importance_order=2, importance_decay=0.9, min_weight=0.1, max_weight=10.0,
     sparsify="topk", fraction=0.3, topk_method="sampled", error_feedback=True,
-    frequency_weight=0.0, min_size=0, sparsify_warmup_steps=0, alpha=0.7,
+    frequency_weight=None, min_size=0, sparsify_warmup_steps=0, alpha=0.7,
     every=100, threshold_scale=1.0, adaptive=True, b1=0.9, b2=0.999, eps=1e-8,
     eps_root=0.0, adam_weight=0.5, nesterov=True, filter_decay=None,
     mu_dtype=None, variance_coef=0.1, variance_decay=0.99,
-    variance_reduction="leaf", variance_normalize=False, freeze_threshold=None,
+    variance_reduction="leaf", variance_normalize=False, variance_eps=1e-12,
+    importance_placement="input", rms_bias_correction=False,
+    freeze_threshold=None,
     freeze_decay=0.9, freeze_warmup_steps=100, seed=0)
 
 # Every value differs from its default and from the other knobs of the
@@ -107,7 +111,8 @@ GRID = {
         learning_rate=0.02, max_norm=None, l2=1e-2, importance_order=1,
         sparsify="threshold", alpha=0.4, every=2, threshold_scale=0.8,
         error_feedback=False, adam_weight=0.8, mu_dtype=jnp.bfloat16,
-        variance_coef=2.0, variance_reduction="global"),
+        variance_coef=2.0, variance_reduction="global", variance_eps=1e-3,
+        importance_placement="output", rms_bias_correction=True),
     "exact_topk_only": dict(
         learning_rate=0.1, max_norm=None, importance=False, topk_method="exact",
         fraction=0.25, error_feedback=False, adaptive=False, variance_coef=None),
@@ -140,8 +145,12 @@ def explicit_stages(**overrides) -> list[tuple[str, optax.GradientTransformation
       "lr": True,
       "freeze": kw["freeze_threshold"] is not None,
   }
+  order = list(STAGES)
+  if kw["importance_placement"] == "output":  # after the adaptive step
+    order.remove("importance")
+    order.insert(order.index("adaptive") + 1, "importance")
   return [(name, STAGES[name](**_stage_kwargs(kw, name)))
-          for name in STAGES if on[name]]
+          for name in order if on[name]]
 
 
 def _params():
