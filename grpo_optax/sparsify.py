@@ -122,7 +122,7 @@ def bisect_thresholds(samples: list[jax.Array], fraction) -> list[jax.Array]:
     fraction: the fraction to keep, in (0, 1] (may be traced).
 
   Returns:
-    One scalar threshold per sample.
+    One scalar threshold per sample (-inf when ``fraction >= 1``).
   """
   if not samples:
     return []
@@ -140,7 +140,10 @@ def bisect_thresholds(samples: list[jax.Array], fraction) -> list[jax.Array]:
 
   bounds = jax.lax.fori_loop(0, _BISECTION_STEPS, body,
                              [(jnp.min(x), jnp.max(x)) for x in samples])
-  return [lo for lo, _ in bounds]
+  # Keeping everything (a warm-up's first step) must not drop the entries
+  # that lie below the sample's minimum.
+  keep_all = jnp.asarray(fraction) >= 1
+  return [jnp.where(keep_all, -jnp.inf, lo) for lo, _ in bounds]
 
 
 def sampled_threshold(score: jax.Array, fraction, key: jax.Array) -> jax.Array:
