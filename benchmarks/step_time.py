@@ -23,6 +23,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import time
 from typing import Callable
@@ -77,14 +78,22 @@ def optimizers(lr: float = 1e-3) -> dict[str, Callable[[], optax.GradientTransfo
       "scale_by_variance_lr": lambda: optax.chain(g.scale_by_variance_lr(),
                                                   optax.sgd(lr)),
       "freeze_below": lambda: optax.chain(g.freeze_below(), optax.sgd(lr)),
+      # The preset with the library's defaults in each sparsify mode: the
+      # one-pass form and the chain of separate stages (fused=False).
       "grpo_dense": lambda: g.grpo(lr, sparsify=None),
       "grpo_threshold": lambda: g.grpo(lr, sparsify="threshold"),
       "grpo_topk": lambda: g.grpo(lr, sparsify="topk"),
+      "grpo_dense_chain": lambda: g.grpo(lr, sparsify=None, fused=False),
+      "grpo_threshold_chain": lambda: g.grpo(lr, sparsify="threshold",
+                                             fused=False),
+      "grpo_topk_chain": lambda: g.grpo(lr, sparsify="topk", fused=False),
   }
 
 
 QUICK = ("sgd_momentum", "adam", "nadam", "grpo_dense", "grpo_threshold",
-         "grpo_topk")
+         "grpo_topk", "grpo_dense_chain", "grpo_threshold_chain",
+         "grpo_topk_chain")
+COMPILE = ("adam", "grpo_dense", "grpo_threshold", "grpo_topk")
 
 
 def _param_sized_arrays(state, n_leaves_params: int, param_sizes: set) -> int:
@@ -126,17 +135,38 @@ def copy_bandwidth(n: int, repeats: int = 10) -> float:
   return 12 * n / statistics.median(times) / 1e9
 
 
+def param_sized_arrays(params, state) -> int:
+  """How many state arrays have the size of a (non-scalar) parameter leaf."""
+  sizes = {x.size for x in jax.tree.leaves(params) if x.size > 1}
+  return sum(1 for x in jax.tree.leaves(state) if np.size(x) in sizes) // max(
+      1, len([x for x in jax.tree.leaves(params) if x.size > 1]))
+
+
+def analyse(step, params, state, grads) -> dict:
+  """XLA's temporaries and copies of the donated, compiled step."""
+  compiled = step.lower(params, state, grads).compile()
+  text = compiled.as_text()
+  n = sum(x.size for x in jax.tree.leaves(params))
+  big_copies = [line for line in text.splitlines() if " copy(" in line and any(
+      int(d) * 4 >= 1 << 20 for d in re.findall(r"f32\[(\d+)", line))]
+  return dict(temp_bytes_per_param=round(
+      compiled.memory_analysis().temp_size_in_bytes / n, 3),
+              big_copies=len(big_copies))
+
+
 def _setup(name, grads):
   tx = optimizers()[name]()
   params = jax.tree.map(lambda g: jnp.ones_like(g) * 0.02, grads)
   state = tx.init(params)
   nbytes = minimal_bytes(params, state)
   step = _make_step(tx)
+  info = analyse(step, params, state, grads)
+  info["state_arrays"] = param_sized_arrays(params, state)
   t0 = time.perf_counter()
   params, state = step(params, state, grads)
   jax.block_until_ready(params)
   return dict(step=step, params=params, state=state, times=[], bytes=nbytes,
-              compile_s=time.perf_counter() - t0)
+              compile_s=time.perf_counter() - t0, **info)
 
 
 def _time_interleaved(runs, grads, rounds, iters):
@@ -197,6 +227,8 @@ def bench_size(n_params: float, names, *, rounds: int, iters: int, seed=0):
         copy_gbps=round(bw, 2),
         roofline_fraction=round(gbps / bw, 3),
         compile_s=round(r["compile_s"], 2),
+        temp_bytes_per_param=r["temp_bytes_per_param"],
+        big_copies=r["big_copies"], state_arrays=r["state_arrays"],
         samples=len(r["times"])))
   return rows
 
@@ -205,12 +237,65 @@ def to_markdown(rows, meta) -> str:
   lines = [f"# Step time ({meta['device']}, {meta['date']})", "",
            f"Command: `{meta['command']}`", "",
            "| optimizer | params | median ms | x Adam | bytes/param | GB/s |"
-           " roofline |", "|---|---|---|---|---|---|---|"]
+           " roofline | param-sized state arrays | XLA temp bytes/param |"
+           " copies >= 1 MB |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(
         f"| {r['optimizer']} | {r['n_params'] / 1e6:.1f}M | {r['median_ms']:.2f}"
         f" | {r['ratio_to_adam']:.2f} | {r['bytes_per_param']:.0f}"
-        f" | {r['achieved_gbps']:.1f} | {r['roofline_fraction']:.2f} |")
+        f" | {r['achieved_gbps']:.1f} | {r['roofline_fraction']:.2f}"
+        f" | {r.get('state_arrays', '')} | {r.get('temp_bytes_per_param', '')}"
+        f" | {r.get('big_copies', '')} |")
+  return "\n".join(lines) + "\n"
+
+
+def layered_tree(n_layers: int, d: int = 64):
+  """16 leaves per layer (attention, MLP, norms and biases), d = 64."""
+  layer = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "qb": (d,),
+           "kb": (d,), "vb": (d,), "ob": (d,), "w1": (d, 4 * d),
+           "b1": (4 * d,), "w2": (4 * d, d), "b2": (d,), "ln1_scale": (d,),
+           "ln1_bias": (d,), "ln2_scale": (d,), "ln2_bias": (d,)}
+  return {f"layer_{i:02d}": {k: jnp.full(s, 0.01, jnp.float32)
+                             for k, s in layer.items()}
+          for i in range(n_layers)}
+
+
+def compile_times(names, layers=(1, 6, 24), repeats=1) -> list[dict]:
+  """Seconds to trace, lower and compile the donated update + apply step."""
+  rows = []
+  for n_layers in layers:
+    params = layered_tree(n_layers)
+    for name in names:
+      best = float("inf")
+      for _ in range(repeats):
+        jax.clear_caches()
+        tx = optimizers()[name]()
+        state = tx.init(params)
+        t0 = time.perf_counter()
+        _make_step(tx).lower(params, state, params).compile()
+        best = min(best, time.perf_counter() - t0)
+      rows.append(dict(optimizer=name, leaves=16 * n_layers,
+                       compile_s=round(best, 2)))
+    adam = [r for r in rows if r["leaves"] == 16 * n_layers
+            and r["optimizer"] == "adam"]
+    for r in rows:
+      if r["leaves"] == 16 * n_layers and adam:
+        r["ratio_to_adam"] = round(r["compile_s"] / adam[0]["compile_s"], 2)
+  return rows
+
+
+def compile_markdown(rows) -> str:
+  leaves = sorted({r["leaves"] for r in rows})
+  names = list(dict.fromkeys(r["optimizer"] for r in rows))
+  cell = {(r["optimizer"], r["leaves"]): r for r in rows}
+  lines = ["", "## Compile time of the update step (trace + lower + compile)",
+           "", "| optimizer | " + " | ".join(f"{n} leaves" for n in leaves)
+           + " |", "|---|" + "---|" * len(leaves)]
+  for name in names:
+    lines.append(f"| {name} | " + " | ".join(
+        f"{cell[name, n]['compile_s']:.2f} s (x{cell[name, n].get('ratio_to_adam', 0):.2f})"
+        for n in leaves) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -250,6 +335,9 @@ def main(argv=None):
   parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--iters", type=int, default=None)
   parser.add_argument("--tag", default="", help="suffix of the output files")
+  parser.add_argument("--compile-layers", default="1,6,24",
+                      help="layers of the compile-time tree (16 leaves each);"
+                      " empty: no compile-time table")
   args = parser.parse_args(argv)
 
   if args.sizes:
@@ -274,9 +362,21 @@ def main(argv=None):
       print(f"{r['optimizer']:>28s} {r['n_params'] / 1e6:7.1f}M "
             f"{r['median_ms']:9.2f} ms  x{r['ratio_to_adam']:.2f} Adam  "
             f"{r['bytes_per_param']:5.0f} B/param  {r['achieved_gbps']:6.1f} GB/s "
-            f"({r['roofline_fraction']:.2f} of copy {r['copy_gbps']:.1f})",
+            f"({r['roofline_fraction']:.2f} of copy {r['copy_gbps']:.1f}) "
+            f"state {r['state_arrays']} temp {r['temp_bytes_per_param']} B/param "
+            f"copies {r['big_copies']}",
             flush=True)
     rows.extend(size_rows)
+
+  compile_rows = []
+  if args.compile_layers:
+    layers = [int(x) for x in args.compile_layers.split(",")]
+    compile_rows = compile_times([n for n in COMPILE if n in names or
+                                  n == "adam"], layers)
+    for r in compile_rows:
+      print(f"compile {r['optimizer']:>20s} {r['leaves']:4d} leaves "
+            f"{r['compile_s']:7.2f} s  x{r.get('ratio_to_adam', 0):.2f} adam",
+            flush=True)
 
   meta = dict(
       device=f"{jax.devices()[0].device_kind} x{jax.device_count()}"
@@ -288,9 +388,12 @@ def main(argv=None):
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, "step_time" + (f"_{args.tag}" if args.tag else ""))
   with open(stem + ".json", "w") as f:
-    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    json.dump({"meta": meta, "rows": rows, "compile": compile_rows}, f,
+              indent=1)
   with open(stem + ".md", "w") as f:
     f.write(to_markdown(rows, meta))
+    if compile_rows:
+      f.write(compile_markdown(compile_rows))
   plot(rows, stem + ".png")
   print(f"wrote {stem}.json, {stem}.md")
   return rows

@@ -471,3 +471,30 @@ def test_missing_params_and_bad_extra_args():
     grpo_optax.grpo(importance_placement="after")
   with pytest.raises(TypeError, match="fused"):
     grpo_optax.grpo(fused="yes")
+
+
+def test_freezing_normalises_over_the_leaves_still_trainable():
+  """After a leaf froze, its importance must not drag the mean: here its
+  gradient grows 10,000x once frozen, which with a mean over every leaf
+  would freeze all the others."""
+  params = {"a": jnp.ones((4, 4)), "b": jnp.full((4, 4), 0.01),
+            "c": jnp.full((4, 4), 0.2), "d": jnp.full((4, 4), 0.5)}
+  tx = grpo_optax.grpo(1e-3, max_norm=None, importance=False, sparsify=None,
+                       variance_coef=None, freeze_threshold=0.3,
+                       freeze_decay=0.5, freeze_warmup_steps=0)
+  state = tx.init(params)
+  g = jax.tree.map(jnp.ones_like, params)
+  _, state = tx.update(g, state, params)
+  assert {k: bool(v) for k, v in grpo_optax.frozen_mask(state).items()} == {
+      "a": False, "b": True, "c": False, "d": False}
+  g["b"] = g["b"] * 1e4
+  for _ in range(3):
+    out, state = tx.update(g, state, params)
+  assert {k: bool(v) for k, v in grpo_optax.frozen_mask(state).items()} == {
+      "a": False, "b": True, "c": False, "d": False}
+  assert float(jnp.abs(out["b"]).max()) == 0.0
+  # Normalised importance of c: 0.2 / mean(1, 0.2, 0.5) = 0.35 > 0.3.
+  imp = state.freeze.importance
+  np.testing.assert_allclose(float(imp["c"]) / np.mean(
+      [float(imp["a"]), float(imp["c"]), float(imp["d"])]), 0.2 / (1.7 / 3),
+                             rtol=1e-5)

@@ -87,6 +87,7 @@ def sp(*names: str) -> tuple[str, ...]:
 
 
 T_MOM = ("tests/test_momentum.py",)
+T_FUSED = ("tests/test_fused.py",)
 T_CLIP = ("tests/test_clipping.py",)
 T_FREEZE = ("tests/test_freezing.py",)
 T_WIRING = ("tests/test_preset_wiring.py",)
@@ -104,15 +105,15 @@ MUTANTS: list[Mutant] = [
         " ones included"),
     Mutant(
         "topk_sampled_087_fraction", "grpo_optax/sparsify.py",
-        "target = fraction * jnp.asarray(",
-        "target = 0.87 * fraction * jnp.asarray(",
+        "targets = [fraction * x.shape[0] for x in samples]",
+        "targets = [0.87 * fraction * x.shape[0] for x in samples]",
         ("tests/test_sparsify.py::test_sampled_topk_keeps_close_to_target",),
         "the sampled top-k asks for 0.87x the fraction"),
     Mutant(
         "topk_sampled_087_fraction_sampled_leaves_only", "grpo_optax/sparsify.py",
-        "target = fraction * jnp.asarray([samples[i].shape[0] for i in idx],",
-        "target = fraction * jnp.asarray([samples[i].shape[0] * (\n"
-        "        0.87 if samples[i].shape[0] > 1024 else 1.0) for i in idx],",
+        "targets = [fraction * x.shape[0] for x in samples]",
+        "targets = [fraction * x.shape[0] * (0.87 if x.shape[0] > 1024 else"
+        " 1.0) for x in samples]",
         ("tests/test_sparsify.py::test_sampled_topk_keeps_close_to_target",),
         "0.87x the fraction, only where a leaf is sampled (leaves used whole"
         " keep exactly k): the statistical bound alone must see it"),
@@ -263,8 +264,8 @@ MUTANTS: list[Mutant] = [
         sp("test_sampled_topk_zeros_carry_nothing"), "the sampled kept-fraction diagnostic counts zeros as kept"),
     Mutant(
         "topk_bisection_returns_upper_bound", "grpo_optax/sparsify.py",
-        "lo, _ = jax.lax.fori_loop(0, _BISECTION_STEPS, body, (lo0, hi0))",
-        "_, lo = jax.lax.fori_loop(0, _BISECTION_STEPS, body, (lo0, hi0))",
+        "return [jnp.where(keep_all, -jnp.inf, lo) for lo, _ in bounds]",
+        "return [jnp.where(keep_all, -jnp.inf, hi) for _, hi in bounds]",
         sp("test_sampled_topk_keeps_close_to_target"), "threshold from the bisection's upper end (keeps < k)"),
     Mutant(
         "threshold_refresh_condition", "grpo_optax/sparsify.py",
@@ -295,25 +296,25 @@ MUTANTS: list[Mutant] = [
            "test_error_feedback_loses_nothing"), "threshold mask forgets the error-feedback residual"),
     # -- momentum.py ----------------------------------------------------------
     Mutant(
-        "nesterov_gradient_bias_correction_step", "grpo_optax/momentum.py",
-        "optax.tree.bias_correction(g, b1, count_inc))",
-        "optax.tree.bias_correction(g, b1, optax.safe_increment(count_inc)))",
-        T_MOM, "Nesterov's gradient term corrected with 1 - b1^(t+2)"),
+        "nesterov_gradient_bias_correction_step", "grpo_optax/_formulas.py",
+        "return b1 * (mu / bc1_next) + (1 - b1) * (g / bc1)",
+        "return b1 * (mu / bc1_next) + (1 - b1) * (g / bc1_next)",
+        T_MOM + T_FUSED, "Nesterov's gradient term corrected with 1 - b1^(t+2)"),
     Mutant(
         "rms_uses_bias_corrected_nu", "grpo_optax/momentum.py",
-        "rms = gi * (1 / (jnp.sqrt(v) + eps))",
-        "rms = gi * (1 / (jnp.sqrt(v_hat) + eps))",
+        "v_hat if rms_bias_correction else v, gi,",
+        "v_hat, gi,",
         T_MOM, "RMSProp part with bias correction (optax's has none)"),
     Mutant(
-        "mix_weights_swapped", "grpo_optax/momentum.py",
-        "out = adam_weight * adam + (1 - adam_weight) * rms",
-        "out = (1 - adam_weight) * adam + adam_weight * rms",
-        T_MOM, "adam_weight applied to RMSProp"),
+        "mix_weights_swapped", "grpo_optax/_formulas.py",
+        "return adam_weight * adam + (1 - adam_weight) * rms",
+        "return (1 - adam_weight) * adam + adam_weight * rms",
+        T_MOM + T_FUSED, "adam_weight applied to RMSProp"),
     Mutant(
-        "adam_eps_root_dropped", "grpo_optax/momentum.py",
-        "adam = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)",
-        "adam = m_hat / (jnp.sqrt(v_hat) + eps)",
-        T_MOM, "eps_root ignored"),
+        "adam_eps_root_dropped", "grpo_optax/_formulas.py",
+        "adam = mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)",
+        "adam = mu_hat / (jnp.sqrt(nu_hat) + eps)",
+        T_MOM + T_FUSED, "eps_root ignored"),
     Mutant(
         "noise_filter_not_bias_corrected", "grpo_optax/momentum.py",
         "g = optax.tree.bias_correction(new_f, filter_decay, count_inc)",
@@ -374,9 +375,13 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "preset_variance_before_adaptive", "grpo_optax/presets.py",
         "  if adaptive:\n    stages.append(adaptive_stage)\n"
+        "  if importance and importance_placement == \"output\":\n"
+        "    stages.append(imp)\n"
         "  if variance_coef is not None:\n    stages.append(variance)\n",
         "  if variance_coef is not None:\n    stages.append(variance)\n"
-        "  if adaptive:\n    stages.append(adaptive_stage)\n",
+        "  if adaptive:\n    stages.append(adaptive_stage)\n"
+        "  if importance and importance_placement == \"output\":\n"
+        "    stages.append(imp)\n",
         T_WIRING, "variance rate before the adaptive step (stage order)"),
     Mutant(
         "preset_freeze_before_learning_rate", "grpo_optax/presets.py",
@@ -435,8 +440,8 @@ MUTANTS: list[Mutant] = [
         T_METRICS, "importance/weights = S / max(S)"),
     Mutant(
         "converged_without_a_step", "grpo_optax/diagnostics.py",
-        "ok = ok & (s.count > 0) & (s.score_std < std_below)",
-        "ok = ok & (s.score_std < std_below)",
+        "ok = ok & (s.count > 0) & (std < std_below)",
+        "ok = ok & (std < std_below)",
         T_METRICS, "early stop before the first step"),
     Mutant(
         "metrics_tau_max", "grpo_optax/diagnostics.py",
@@ -495,6 +500,95 @@ MUTANTS: list[Mutant] = [
          "tests/test_training_hierarchical.py::"
          "test_skip_gradient_is_exact_for_core"),
         "momentum estimate corrected with 1 - beta^(k+1)"),
+    # -- fused.py and _formulas.py (the one-pass preset) ------------------
+    Mutant(
+        "formulas_clip_factor_inverted", "grpo_optax/_formulas.py",
+        "return jnp.minimum(1.0, max_norm / norm)",
+        "return jnp.minimum(1.0, norm / max_norm)",
+        T_FUSED + T_CLIP, "clip factor norm / max_norm"),
+    Mutant(
+        "formulas_taylor_half_dropped", "grpo_optax/_formulas.py",
+        "s = s + second * 0.5 * h * p * p",
+        "s = s + second * h * p * p",
+        T_FUSED + T_IMP, "second-order Taylor term without the 1/2"),
+    Mutant(
+        "formulas_importance_weight_unclipped", "grpo_optax/_formulas.py",
+        "return jnp.clip(s_hat * inv_mean, min_weight, max_weight)",
+        "return s_hat * inv_mean",
+        T_FUSED + T_IMP, "importance weights not clipped"),
+    Mutant(
+        "formulas_ema_threshold_refreshes_every_step", "grpo_optax/_formulas.py",
+        "refresh = (count == 0) | (count % jnp.asarray(every, count.dtype) == 0)",
+        "refresh = count >= 0",
+        T_FUSED, "EMA threshold moved at every step, not every N"),
+    Mutant(
+        "fused_fisher_from_last_step_at_output", "grpo_optax/fused.py",
+        "lambda i, a: nu_new[i].astype(a.dtype) * cast(\"inv_bc2\", inv_bc2,",
+        "lambda i, a: nu_leaves[i].astype(a.dtype) * cast(\"inv_bc2\", inv_bc2,",
+        T_FUSED, "output placement's Fisher from the old second moment"),
+    Mutant(
+        "fused_residual_is_the_kept_part", "grpo_optax/fused.py",
+        "          _, r_prev = F.split_by_mask(old, F.keep_mask(",
+        "          r_prev, _ = F.split_by_mask(old, F.keep_mask(",
+        T_FUSED, "error feedback carries the kept part instead of the dropped"),
+    Mutant(
+        "fused_moments_see_the_unmasked_gradient", "grpo_optax/fused.py",
+        "return kept_part if for_moments else a - dropped",
+        "return a if for_moments else a - dropped",
+        T_FUSED, "Adam's moments updated with the gradient before the mask"),
+    Mutant(
+        "fused_update_sees_the_unmasked_gradient", "grpo_optax/fused.py",
+        "return kept_part if for_moments else a - dropped",
+        "return kept_part if for_moments else a",
+        T_FUSED, "the Nesterov/RMS terms of the update use the unmasked gradient"),
+    Mutant(
+        "fused_variance_with_nesterov_correction", "grpo_optax/fused.py",
+        "take(mu_new[i]).astype(jnp.float32) / bc1,",
+        "take(mu_new[i]).astype(jnp.float32) / bc1_next,",
+        T_FUSED, "variance's mean corrected with 1 - b1^(t+2)"),
+    Mutant(
+        "fused_global_variance_unweighted", "grpo_optax/fused.py",
+        "gvar = _weighted_sum([var_leaf[i] for i in live], size_share)",
+        "gvar = _weighted_sum([var_leaf[i] for i in live],\n"
+        "                              np.full(len(live), 1 / len(live)))",
+        T_FUSED, "global variance averages leaves, not elements"),
+    Mutant(
+        "fused_freeze_mean_over_all_leaves", "grpo_optax/fused.py",
+        "mean_imp = (_weighted_sum([v / fbc * a for v, a in zip(imp, active)],",
+        "mean_imp = (_weighted_sum([v / fbc for v, a in zip(imp, active)],",
+        T_FUSED, "freezing normalised by every leaf's importance"),
+    Mutant(
+        "fused_normaliser_without_bias_correction", "grpo_optax/fused.py",
+        "inv_mean[i] = F.inverse_mean(leaf_stats[i][\"score\"] * inv_bcs)",
+        "inv_mean[i] = F.inverse_mean(leaf_stats[i][\"score\"])",
+        T_FUSED, "importance normaliser of S without its bias correction"),
+    Mutant(
+        "fused_schedule_one_step_ahead", "grpo_optax/fused.py",
+        "lr = learning_rate(t) if callable(learning_rate) else learning_rate",
+        "lr = learning_rate(t1) if callable(learning_rate) else learning_rate",
+        T_FUSED, "learning-rate schedule evaluated at count + 1"),
+    Mutant(
+        "fused_min_size_ignored", "grpo_optax/fused.py",
+        "or g_leaves[i].size >= static_min_size]",
+        "or True]",
+        T_FUSED, "small leaves masked too"),
+    Mutant(
+        "fused_rms_correction_inverted", "grpo_optax/fused.py",
+        "u = F.adam_rms_mix(mu_hat, nu_hat, nu_hat if rms_bias_correction\n"
+        "                         else nu_,",
+        "u = F.adam_rms_mix(mu_hat, nu_hat, nu_ if rms_bias_correction\n"
+        "                         else nu_hat,",
+        T_FUSED, "rms_bias_correction inverted"),
+    Mutant(
+        "fused_output_weight_not_applied", "grpo_optax/fused.py",
+        "      if weight_output:\n        u = u * weight(i).astype(ct)\n",
+        "",
+        T_FUSED, "importance weights dropped after the adaptive step"),
+    Mutant(
+        "topk_positions_not_coprime", "grpo_optax/sparsify.py",
+        "  while math.gcd(stride, n) != 1:",
+        "  while False:",
+        T_FUSED, "strided top-k sample with a stride that divides the leaf"),
 ]
 
 
