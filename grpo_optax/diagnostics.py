@@ -105,9 +105,9 @@ def _grpo_metrics(state: GrpoState) -> dict[str, jax.Array]:
         "importance/score_std": jnp.sqrt(jnp.maximum(r_sq - r_mean ** 2, 0.)),
         "importance/weights": (jnp.concatenate([r for _, r in pairs]) if pairs
                                else jnp.zeros((0,), jnp.float32))})
-  if st.kept_fraction is not None:
+  if state.thresholds is not None:
     prefix = "threshold" if state.tau is not None else "topk"
-    out[f"{prefix}/kept_fraction"] = st.kept_fraction
+    out[f"{prefix}/kept_fraction"] = fused.kept_fraction(state)
     res = fused.residual(state)
     if res is not None:
       out[f"{prefix}/residual_norm"] = jnp.sqrt(sum(

@@ -65,7 +65,9 @@ class GrpoStats(NamedTuple):
 
   clipped: Optional[jax.Array]  # shape=(), int32: steps with norm > max_norm
   grad_norm: Optional[jax.Array]  # shape=(), float32: norm before clipping
-  kept_fraction: Optional[jax.Array]  # shape=(), float32: kept / total
+  # shape=(), float32: kept / total (masks without error feedback; with it,
+  # :func:`kept_fraction` reads it exactly from the accumulator)
+  kept_fraction: Optional[jax.Array]
   tau_mean: Optional[jax.Array]  # shape=(), float32: mean threshold
   variance: Optional[jax.Array]  # shape=(), float32: mean gradient variance
   lr_scale: Optional[jax.Array]  # shape=(), float32: mean 1/(1 + coef var)
@@ -96,13 +98,33 @@ def _initial_stats(*, clip, mask, threshold, variance, importance,
   return GrpoStats(
       clipped=jnp.zeros([], jnp.int32) if clip else None,
       grad_norm=z if clip else None,
-      kept_fraction=one if mask else None,
+      kept_fraction=one if mask == "no_feedback" else None,
       tau_mean=z if threshold else None,
       variance=z if variance else None,
       lr_scale=one if variance else None,
       weight_bounds=(jnp.stack([jnp.asarray(min_weight, jnp.float32),
                                 jnp.asarray(max_weight, jnp.float32)])
                      if importance else None))
+
+
+def kept_fraction(state: GrpoState) -> Optional[jax.Array]:
+  """Fraction of the entries the last step's mask kept (None without a mask).
+
+  Exact, from the state: with error feedback, the entries of the accumulator
+  at or above their leaf's threshold (leaves left dense by ``min_size`` have
+  a threshold of -inf and count whole); without it, the update's estimate
+  from strided samples.
+  """
+  if state.stats.kept_fraction is not None or state.thresholds is None:
+    return state.stats.kept_fraction
+  kept, total = jnp.zeros((), jnp.float32), 0
+  for a, th in zip(jax.tree.leaves(state.accumulator),
+                   jax.tree.leaves(state.thresholds)):
+    n = jnp.sum(F.keep_mask(a, jnp.abs(a), th.astype(a.dtype)),
+                dtype=jnp.float32)
+    kept = kept + jnp.where(th == -jnp.inf, a.size, n)
+    total += a.size
+  return kept / total if total else jnp.ones((), jnp.float32)
 
 
 def _compute_dtype(dtype) -> Any:
@@ -278,13 +300,17 @@ def one_pass(
     # shape, not one per leaf.
     vector = lambda: jax.tree.map(lambda _: jnp.zeros([], jnp.float32),
                                   params)
+    # Leaves that a static min_size leaves dense keep a threshold of -inf.
+    thresholds = lambda: jax.tree.map(
+        lambda p: jnp.asarray(-jnp.inf if static_min_size is not None and (
+            jnp.size(p) < static_min_size) else 0.0, jnp.float32), params)
     return GrpoState(
         count=jnp.zeros([], jnp.int32),
         mu=optax.tree.zeros_like(params, dtype=mu_dtype),
         nu=zeros(),
         score=zeros() if importance else None,
         accumulator=zeros() if use_residual else None,
-        thresholds=vector() if mask_on else None,
+        thresholds=thresholds() if mask_on else None,
         tau=vector() if sparsify == "threshold" else None,
         freeze=FreezeBelowState(
             count=jnp.zeros([], jnp.int32),
@@ -293,7 +319,9 @@ def one_pass(
             frozen=jax.tree.map(lambda _: jnp.zeros([], bool), params),
         ) if freeze_on else None,
         stats=_initial_stats(
-            clip=clip_on, mask=mask_on, threshold=sparsify == "threshold",
+            clip=clip_on,
+            mask=("no_feedback" if mask_on and not use_residual else None),
+            threshold=sparsify == "threshold",
             variance=variance_on, importance=importance,
             min_weight=min_weight, max_weight=max_weight))
 
@@ -563,7 +591,7 @@ def one_pass(
       if freeze_on:
         named["freeze"] = jnp.abs(clipped(i, _strided) * _strided(
             p_leaves[i]).astype(jnp.float32))
-      if thr[i] is not None:
+      if thr[i] is not None and not use_residual:
         named["kept"] = keep(i, _strided).astype(jnp.float32)
       if named:
         leaf_stats[i] = dict(zip(named, _means(list(named.values()))))
@@ -573,7 +601,7 @@ def one_pass(
         inv_mean[i] = F.inverse_mean(leaf_stats[i]["score"] * inv_bcs)
     if mask_on:
       stats = stats._replace(
-          kept_fraction=(_weighted_sum(
+          kept_fraction=None if use_residual else (_weighted_sum(
               [leaf_stats[i].get("kept", jnp.ones((), jnp.float32))
                if i in leaf_stats else jnp.ones((), jnp.float32)
                for i in live], size_share) if live

@@ -414,7 +414,13 @@ def test_error_feedback_loses_nothing(sparsify):
     _, state = update(g, state, params)
     sent = jax.tree.map(jnp.add, sent, state.mu)
     total = jax.tree.map(jnp.add, total, g)
-    kept.append(float(state.stats.kept_fraction))
+    kept.append(float(grpo_optax.fused.kept_fraction(state)))
+    # b1 = 0: mu is this step's masked gradient, so the exact kept fraction
+    # read from the accumulator equals the fraction of non-zero entries.
+    nonzero = sum(int(jnp.sum(m != 0)) for m in jax.tree.leaves(state.mu))
+    np.testing.assert_allclose(
+        kept[-1], nonzero / sum(p.size for p in jax.tree.leaves(params)),
+        rtol=1e-6)
   residual = grpo_optax.fused.residual(state)
   for k in params:
     np.testing.assert_allclose(sent[k] + residual[k], total[k], rtol=1e-5,
