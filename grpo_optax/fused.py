@@ -5,34 +5,48 @@ It runs the chain's mechanisms -- clipping with L2, Taylor importance, top-k
 or EMA-threshold masking with error feedback, the Nesterov + Adam/RMSProp mix,
 the variance-based rate, the learning rate and freezing -- as one
 elementwise pass per leaf, with statistics shared instead of kept per stage
-(``../SPEC.md`` section 1b):
+(``SPEC.md`` section 1b):
 
 * The Fisher diagonal of the importance score is Adam's own bias-corrected
-  second moment ``nu_hat`` (the current one when importance acts on the
+  second moment ``nu_hat`` (this step's when importance acts on the
   adaptive step's output, the previous step's when it acts on its input;
   the squared gradient at the first step), not a second EMA of ``g^2``.
 * The gradient variance of the variance rate is ``max(nu_hat - mu_hat^2, 0)``
   from Adam's moments (AdaBelief's "belief"), not a second pair of EMAs.
-* Reductions over a leaf (importance normaliser, variance, mask thresholds,
-  freezing importance, diagnostics) come from samples of at most 1,024
-  strided entries (4,096 for the threshold mask; random samples of
-  ``max(1024, n/100)`` up to 65,536 for the top-k threshold). The global-norm
-  clip is exact.
+* Reductions over a leaf (importance normaliser, variance, freezing
+  importance, the threshold mask's mean ``|a|``) come from strided samples
+  of at most 1,024 entries (4,096 for the threshold mask), all of a leaf's
+  statistics in one reduction. The top-k threshold is bisected on
+  ``max(1024, n/100)`` (at most 65,536) entries taken every ``s``-th from a
+  random start, ``s`` coprime with the leaf's size. The global-norm clip is
+  exact.
 * Parameter-sized state: ``mu``, ``nu``, the importance EMA ``score`` (when
-  importance is on) and the error-feedback ``residual`` (when a mask with
-  error feedback is on). Nothing else.
+  importance is on) and the error-feedback ``accumulator`` (when a mask with
+  error feedback is on). Per-leaf scalars (thresholds, tau, freezing) are
+  trees of scalars shaped like the params. Nothing else.
 
 Every per-element formula comes from :mod:`grpo_optax._formulas`, shared
 with the chain stages.
 
-Why the structure matters on XLA (measured on XLA:CPU): every state array is
-written in place into its donated buffer, so any other fusion that reads the
-old value must run before that write. XLA's copy insertion only trusts data
-dependencies for that order; a read of an old state array that nothing
-downstream of the write depends on makes XLA copy the whole array first.
-Statistics are therefore read from the *new* state (samples of the updated
-``score``, ``mu`` and ``nu``), and the samples of the old residual feed the
-thresholds that every later fusion depends on.
+How it is laid out for XLA (measured on XLA:CPU, see ``benchmarks/``):
+
+* Every state array is written in place into its donated buffer, so any
+  other kernel that reads its old value must run before that write. XLA's
+  copy insertion only trusts data dependencies for that order; a read of an
+  old state array that nothing downstream of the write depends on makes XLA
+  copy the whole array first. Statistics are read from the *new* state, and
+  with error feedback the state keeps ``acc = a + r`` (not ``r``): the new
+  ``acc`` is written first and everything else reads it.
+* A value with two full-size inputs that feeds both a state write and the
+  update is kept in memory as a parameter-sized temporary unless each
+  consumer gets its own copy of the expression: the masked gradient reaches
+  Adam's moments and the update as two different (equal-valued)
+  expressions.
+* Compile time grows with the number of kernel instances and of distinct
+  kernels: per-leaf scalars are never sliced out of a stacked vector (that
+  makes every leaf's kernels distinct), values that depend on every leaf
+  reach the leaves' kernels as one materialised scalar, and a leaf's
+  statistics share one reduction.
 """
 
 from __future__ import annotations
