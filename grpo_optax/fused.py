@@ -51,6 +51,7 @@ How it is laid out for XLA (measured on XLA:CPU, see ``benchmarks/``):
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -317,7 +318,8 @@ def one_pass(
     # Leaves that a static min_size leaves dense keep a threshold of -inf.
     thresholds = lambda: jax.tree.map(
         lambda p: jnp.asarray(-jnp.inf if static_min_size is not None and (
-            jnp.size(p) < static_min_size) else 0.0, jnp.float32), params)
+            math.prod(jnp.shape(p)) < static_min_size) else 0.0,
+        jnp.float32), params)
     return GrpoState(
         count=jnp.zeros([], jnp.int32),
         mu=optax.tree.zeros_like(params, dtype=mu_dtype),
