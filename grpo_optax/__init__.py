@@ -8,7 +8,8 @@ Each seed mechanism of the two source articles lives in one module:
 * :mod:`grpo_optax.momentum` -- noise filter + Nesterov + Adam/RMSProp (5).
 * :mod:`grpo_optax.clipping` -- global-norm clipping with coupled L2 (6).
 * :mod:`grpo_optax.freezing` -- dynamic freezing (9).
-* :mod:`grpo_optax.presets` -- the :func:`grpo` chain.
+* :mod:`grpo_optax.presets` -- the :func:`grpo` preset (and ``ARTICLE_DEFAULTS``).
+* :mod:`grpo_optax.fused` -- its one-pass form with shared statistics.
 * :mod:`grpo_optax.diagnostics` -- :func:`metrics` and friends.
 * :mod:`grpo_optax.training` -- program changes: hierarchical gradients (7),
   immediate updates (8), freezing that skips compute (9).
@@ -24,11 +25,14 @@ from grpo_optax.diagnostics import importance_converged
 from grpo_optax.diagnostics import metrics
 from grpo_optax.freezing import FreezeBelowState
 from grpo_optax.freezing import freeze_below
+from grpo_optax.fused import GrpoState
+from grpo_optax.fused import GrpoStats
 from grpo_optax.importance import ScaleByImportanceState
 from grpo_optax.importance import per_head
 from grpo_optax.importance import scale_by_importance
 from grpo_optax.momentum import ScaleByNesterovAdamRmsState
 from grpo_optax.momentum import scale_by_nesterov_adam_rms
+from grpo_optax.presets import ARTICLE_DEFAULTS
 from grpo_optax.presets import grpo
 from grpo_optax.sparsify import EmaThresholdMaskState
 from grpo_optax.sparsify import TopKMaskState
@@ -42,9 +46,12 @@ from grpo_optax import rl  # pylint: disable=g-bad-import-order
 __version__ = "0.1.0"
 
 __all__ = [
+    "ARTICLE_DEFAULTS",
     "ClipWithL2State",
     "EmaThresholdMaskState",
     "FreezeBelowState",
+    "GrpoState",
+    "GrpoStats",
     "ScaleByImportanceState",
     "ScaleByNesterovAdamRmsState",
     "ScaleByVarianceLrState",

@@ -525,6 +525,12 @@ def one_pass(
                                    every).astype(jnp.float32)
           thr[i] = threshold_scale * tau[i]
         new_tau = treedef.unflatten(tau)
+      if static_min_size is None:
+        # A traced min_size: small leaves keep everything, and their stored
+        # threshold says so (the residual is derived from it next step).
+        for i in masked:
+          thr[i] = jnp.where(g_leaves[i].size < jnp.asarray(min_size),
+                             -jnp.inf, thr[i])
       new_thresholds = treedef.unflatten([
             thr[i].astype(jnp.float32) if thr[i] is not None else thr_old[i]
             for i in range(n_leaves)])
@@ -532,10 +538,7 @@ def one_pass(
     @_traced_once
     def keep(i, take=_identity):
       a = accumulated(i, take)
-      k = F.keep_mask(a, jnp.abs(a), thr[i].astype(a.dtype))
-      if static_min_size is None:  # traced min_size: small leaves pass dense
-        k = k | (g_leaves[i].size < jnp.asarray(min_size))
-      return k
+      return F.keep_mask(a, jnp.abs(a), thr[i].astype(a.dtype))
 
     def masked_grad(i, for_moments=False):
       """The gradient entering Adam's moments and the update.

@@ -28,7 +28,8 @@ def _grads(i):
 
 def _inner():
   return grpo_optax.grpo(1e-2, sparsify="threshold", every=2,
-                         freeze_threshold=0.01, freeze_warmup_steps=1)
+                         freeze_threshold=0.01, freeze_warmup_steps=1,
+                         **grpo_optax.ARTICLE_DEFAULTS)
 
 
 _ALL = {"w": True, "b": True, "tiny": True}
@@ -36,7 +37,7 @@ WRAPPERS = {
     "chain": lambda: _inner(),
     "inject_hyperparams": lambda: optax.inject_hyperparams(grpo_optax.grpo)(
         learning_rate=1e-2, sparsify="threshold", every=2, freeze_threshold=0.01,
-        freeze_warmup_steps=1),
+        freeze_warmup_steps=1, **grpo_optax.ARTICLE_DEFAULTS),
     "multisteps": lambda: optax.MultiSteps(_inner(), every_k_schedule=1),
     "masked": lambda: optax.masked(_inner(), _ALL),
     "partition": lambda: optax.partition(
@@ -223,8 +224,8 @@ def test_importance_converged():
 def test_metrics_from_nnx_optimizer_state():
   from flax import nnx  # pylint: disable=g-import-not-at-top
   model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
-  opt = nnx.Optimizer(model, grpo_optax.grpo(1e-2, sparsify="topk"),
-                      wrt=nnx.Param)
+  opt = nnx.Optimizer(model, grpo_optax.grpo(
+      1e-2, sparsify="topk", **grpo_optax.ARTICLE_DEFAULTS), wrt=nnx.Param)
   grads = nnx.grad(lambda m: jnp.sum(m(jnp.ones((2, 4))) ** 2))(model)
   opt.update(model, grads)
   m = grpo_optax.metrics(opt.opt_state)

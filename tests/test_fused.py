@@ -76,14 +76,15 @@ class Reference:
   """NumPy implementation of the one-pass update (float64)."""
 
   def __init__(self, params, **kw):
-    self.kw = dict(
-        learning_rate=1e-3, max_norm=1.0, l2=0.0, importance=True,
+    self.kw = dict(  # grpo()'s defaults
+        learning_rate=1e-3, max_norm=1.0, l2=0.0, importance=False,
         importance_order=2, importance_decay=0.9, importance_placement="input",
         min_weight=0.1, max_weight=10.0, sparsify="topk", fraction=0.3,
-        error_feedback=True, min_size=0, sparsify_warmup_steps=0, alpha=0.7,
+        error_feedback=True, min_size=1024, sparsify_warmup_steps=0,
+        alpha=0.7,
         every=100, threshold_scale=1.0, b1=0.9, b2=0.999, eps=1e-8,
-        eps_root=0.0, adam_weight=0.5, nesterov=True,
-        rms_bias_correction=False, variance_coef=0.1,
+        eps_root=0.0, adam_weight=1.0, nesterov=True,
+        rms_bias_correction=False, variance_coef=None,
         variance_reduction="leaf", variance_normalize=False,
         variance_eps=1e-12, freeze_threshold=None, freeze_decay=0.9,
         freeze_warmup_steps=100, seed=0)
@@ -315,7 +316,8 @@ MODES = {
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_one_pass_matches_numpy_reference(mode):
-  kw = MODES[mode]
+  # Every mechanism on (the articles' settings), then the mode's changes.
+  kw = {**grpo_optax.ARTICLE_DEFAULTS, **MODES[mode]}
   params = _params()
   extra = _extra(params) if mode.endswith("extra_args") else {}
   tx = grpo_optax.grpo(**kw)
@@ -430,16 +432,17 @@ def test_error_feedback_loses_nothing(sparsify):
 
 
 @pytest.mark.parametrize("kw,expected", [
-    (dict(sparsify=None, importance=False), 2),
-    (dict(sparsify=None), 3),
-    (dict(sparsify="topk"), 4),
-    (dict(sparsify="threshold"), 4),
-    (dict(sparsify="topk", error_feedback=False), 3),
-    (dict(sparsify="threshold", freeze_threshold=0.3), 4),
+    (dict(sparsify=None), 2),
+    (dict(sparsify=None, importance=True), 3),
+    (dict(sparsify="topk"), 3),
+    (dict(sparsify="topk", importance=True), 4),
+    (dict(sparsify="threshold", importance=True), 4),
+    (dict(sparsify="topk", error_feedback=False, importance=True), 3),
+    (dict(sparsify="threshold", freeze_threshold=0.3, importance=True), 4),
 ])
 def test_state_holds_no_other_parameter_sized_array(kw, expected):
   params = {"w": jnp.ones((64, 32)), "b": jnp.ones((32,))}
-  state = grpo_optax.grpo(**kw).init(params)
+  state = grpo_optax.grpo(**kw, variance_coef=0.1).init(params)
   sizes = [x.size for x in jax.tree.leaves(state)]
   assert sizes.count(64 * 32) == expected, sizes
 
@@ -466,11 +469,14 @@ def test_kept_fraction_of_the_sampled_top_k():
 
 def test_missing_params_and_bad_extra_args():
   params = {"w": jnp.ones((3, 3))}
-  tx = grpo_optax.grpo()
+  tx = grpo_optax.grpo(importance=True)
   state = tx.init(params)
   g = {"w": jnp.ones((3, 3))}
   with pytest.raises(ValueError, match="params"):
     tx.update(g, state)
+  # The defaults read no params (no importance, L2 or freezing).
+  out, _ = grpo_optax.grpo().update(g, grpo_optax.grpo().init(params))
+  assert out["w"].shape == (3, 3)
   with pytest.raises(ValueError, match="hessian_diag"):
     tx.update(g, state, params, hessian_diag={"v": jnp.ones(3)})
   with pytest.raises(ValueError, match="importance_placement"):

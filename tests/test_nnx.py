@@ -71,8 +71,9 @@ def _data():
 
 def test_nnx_optimizer_trains_attention_model_with_head_entropy():
   model = Classifier(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, grpo_optax.grpo(3e-3, sparsify="topk"),
-                            wrt=nnx.Param)
+  optimizer = nnx.Optimizer(
+      model, grpo_optax.grpo(3e-3, sparsify="topk",
+                             **grpo_optax.ARTICLE_DEFAULTS), wrt=nnx.Param)
   tokens, labels = _data()
   seen = []
 
@@ -132,7 +133,7 @@ def test_head_entropy_scales_each_heads_update():
     m = nnx.clone(model)
     # A large rate: the parameter change is the update to float32 precision.
     tx = grpo_optax.grpo(1e5, max_norm=None, sparsify=None, adaptive=False,
-                         variance_coef=None)
+                         variance_coef=None, importance=True)
     opt = nnx.Optimizer(m, tx, wrt=nnx.Param)
     update(m, opt, g, head_entropy)
     deltas.append({name: np.asarray(getattr(m.attn, name).kernel[...])
