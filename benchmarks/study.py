@@ -260,50 +260,70 @@ def replace(config: Config, **changes) -> Config:
   return dataclasses.replace(config, **changes)
 
 
-# One change at a time from TODAY: name -> (config, what changes).
+# One change at a time from TODAY: name -> (assignments, what changes). The
+# assignments switch the mechanism they refine on, so that the greedy phase
+# can apply them to any configuration.
 SINGLE = {
-    "today": (TODAY, "grpo() as the library has it"),
-    "no_clip": (replace(TODAY, max_norm=None), "clipping off"),
-    "max_norm_10": (replace(TODAY, max_norm=10.0), "max_norm 10"),
-    "no_importance": (replace(TODAY, importance=False),
-                      "importance weighting off"),
+    "today": ({}, "grpo() as the library has it"),
+    "no_clip": ({"max_norm": None}, "clipping off"),
+    "max_norm_10": ({"max_norm": 10.0}, "max_norm 10"),
+    "no_importance": ({"importance": False}, "importance weighting off"),
     "importance_after_chain": (
-        replace(TODAY, importance_where="after_chain"),
+        {"importance": True, "importance_where": "after_chain"},
         "importance after the adaptive step (public transforms chained)"),
     "importance_after_raw": (
-        replace(TODAY, importance_where="after_raw"),
+        {"importance": True, "importance_where": "after_raw"},
         "importance after the adaptive step, weights from the raw gradient"),
-    "weights_0.5_2": (replace(TODAY, min_weight=0.5, max_weight=2.0),
+    "weights_0.5_2": ({"importance": True, "min_weight": 0.5,
+                       "max_weight": 2.0},
                       "importance weights clipped to [0.5, 2]"),
-    "weights_0.8_1.25": (replace(TODAY, min_weight=0.8, max_weight=1.25),
+    "weights_0.8_1.25": ({"importance": True, "min_weight": 0.8,
+                          "max_weight": 1.25},
                          "importance weights clipped to [0.8, 1.25]"),
-    "no_sparsify": (replace(TODAY, sparsify=None), "no mask (dense)"),
-    "threshold_mask": (replace(TODAY, sparsify="threshold"),
+    "no_sparsify": ({"sparsify": None}, "no mask (dense)"),
+    "threshold_mask": ({"sparsify": "threshold"},
                        "EMA-threshold mask instead of top-k"),
-    "no_variance_lr": (replace(TODAY, variance=False), "variance lr off"),
-    "variance_per_element": (replace(TODAY, variance_reduction="element"),
+    "no_variance_lr": ({"variance": False}, "variance lr off"),
+    "variance_per_element": ({"variance": True,
+                              "variance_reduction": "element"},
                              "variance lr per element"),
-    "no_nesterov": (replace(TODAY, nesterov=False), "Nesterov off"),
-    "adam_weight_0": (replace(TODAY, adam_weight=0.0),
+    "no_nesterov": ({"nesterov": False}, "Nesterov off"),
+    "adam_weight_0": ({"adam_weight": 0.0},
                       "adam_weight 0 (RMSProp part only)"),
-    "adam_weight_1": (replace(TODAY, adam_weight=1.0),
+    "adam_weight_1": ({"adam_weight": 1.0},
                       "adam_weight 1 (NAdam part only)"),
-    "rms_bias_corrected": (replace(TODAY, rms_bias_correction=True),
+    "rms_bias_corrected": ({"adam_weight": 0.5, "rms_bias_correction": True},
                            "RMSProp part bias-corrected"),
-    "all_off": (replace(TODAY, max_norm=None, importance=False, sparsify=None,
-                        variance=False, adam_weight=1.0),
+    "all_off": ({"max_norm": None, "importance": False, "sparsify": None,
+                 "variance": False, "adam_weight": 1.0},
                 "every mechanism off (= NAdam)"),
 }
-# Switching a mechanism back on in a configuration (the last phase).
-MECHANISMS_ON = {
-    "clip": dict(max_norm=1.0),
-    "importance": dict(importance=True),
-    "topk": dict(sparsify="topk"),
-    "threshold": dict(sparsify="threshold"),
-    "variance_lr": dict(variance=True),
-    "nesterov": dict(nesterov=True),
-    "rmsprop_mix": dict(adam_weight=0.5),
+DEFAULT_SINGLES = [n for n in SINGLE if n != "all_off"]  # all_off = NAdam.
+
+# Switching a mechanism back on in the winner (the last phase): its options,
+# as single variants whose assignments switch it on; the option whose single
+# variant scored best is used. None: the mechanism as in TODAY.
+MECHANISMS = {
+    "clip": [("today", {"max_norm": 1.0}), ("max_norm_10", None)],
+    "importance": [("today", {"importance": True, "importance_where": "before",
+                              "min_weight": 0.1, "max_weight": 10.0}),
+                   ("importance_after_chain", None),
+                   ("importance_after_raw", None), ("weights_0.5_2", None),
+                   ("weights_0.8_1.25", None)],
+    "topk": [("today", {"sparsify": "topk"})],
+    "threshold": [("threshold_mask", None)],
+    "variance_lr": [("today", {"variance": True,
+                               "variance_reduction": "leaf"}),
+                    ("variance_per_element", None)],
+    "nesterov": [("today", {"nesterov": True})],
+    "rmsprop_mix": [("today", {"adam_weight": 0.5,
+                               "rms_bias_correction": False}),
+                    ("rms_bias_corrected", None), ("adam_weight_0", None)],
 }
+
+
+def single_config(name: str) -> Config:
+  return replace(TODAY, **SINGLE[name][0]).normalized()
 
 
 # ------------------------------------------------------------ measuring
@@ -404,8 +424,7 @@ def greedy(study: Study, singles: Mapping[str, dict]) -> dict[str, Any]:
   best = base
   steps = []
   for _, name in gains:
-    changes = SINGLE[name][0].changes()
-    candidate = replace(current, **changes).normalized()
+    candidate = replace(current, **SINGLE[name][0]).normalized()
     if candidate == current:
       steps.append({"try": name, "kept": False, "reason": "already in"})
       continue
@@ -417,15 +436,22 @@ def greedy(study: Study, singles: Mapping[str, dict]) -> dict[str, Any]:
                   "geomean": entry["geomean"], "max": entry["max"]})
     if kept:
       current, current_name, best = candidate, cname, entry
-  # What each mechanism costs when switched back on in the winner.
+  # What each mechanism costs when switched back on in the winner, in the
+  # form that scored best as a single change.
   back_on = {}
-  for mech, changes in MECHANISMS_ON.items():
+  for mech, options in MECHANISMS.items():
+    scored = [(score(singles[n]), n, ch if ch is not None else SINGLE[n][0])
+              for n, ch in options if n in singles]
+    if not scored:
+      continue
+    _, option, changes = min(scored, key=lambda x: x[0])
     candidate = replace(current, **changes).normalized()
     if candidate == current:
       continue
-    cname = "winner+" + mech
-    back_on[mech] = cname
-    study.evaluate(cname, candidate, f"winner with {mech} on")
+    cname = f"winner+{mech}"
+    back_on[mech] = {"variant": cname, "as_in": option}
+    study.evaluate(cname, candidate, f"winner with {mech} on (as in "
+                   f"{option})")
   return {"steps": steps, "winner": current_name,
           "winner_config": dataclasses.asdict(current), "back_on": back_on}
 
@@ -493,9 +519,10 @@ def study_markdown(report: dict) -> str:
     lines += head
     lines.append(row("winner", variants[g["winner"]] if g["winner"] in
                      variants else variants["today"]))
-    for mech, name in g["back_on"].items():
-      if name in variants:
-        lines.append(row(f"winner + {mech}", variants[name]))
+    for mech, on in g["back_on"].items():
+      if on["variant"] in variants:
+        lines.append(row(f"winner + {mech} (as in {on['as_in']})",
+                         variants[on["variant"]]))
     w = report["winner"]
     lines += ["", "### Result", "",
               f"Winner: `{w['name']}`: geometric mean "
@@ -517,7 +544,7 @@ def parse_args(argv=None):
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--out", default=None)
   parser.add_argument("--tasks", default=",".join(problems_lib.TASKS))
-  parser.add_argument("--variants", default=",".join(SINGLE),
+  parser.add_argument("--variants", default=",".join(DEFAULT_SINGLES),
                       help="single-change variants to run (today is always "
                       "run)")
   parser.add_argument("--no-greedy", action="store_true")
@@ -607,8 +634,7 @@ def main(argv=None) -> dict:
   study.ensure_baselines()
   singles = {}
   for name in args.variants:
-    config, description = SINGLE[name]
-    singles[name] = study.evaluate(name, config, description)
+    singles[name] = study.evaluate(name, single_config(name), SINGLE[name][1])
   if not args.no_greedy:
     report["greedy"] = greedy(study, singles)
     wname = report["greedy"]["winner"]
