@@ -266,7 +266,7 @@ def matrix_factorisation(steps: int = 1000, rows: int = 100, cols: int = 80,
                    f"observed, fitted as U V^T with rank {model_rank}, full "
                    "batch"),
       init=init, loss=_stateless(loss), batch=lambda key: None, steps=steps,
-      quick_steps=steps // 2, lrs=lr_window(1e-4, 3.0))
+      quick_steps=steps // 2, lrs=lr_window(1e-4, 10.0))
 
 
 def _digits():

@@ -124,19 +124,25 @@ def test_greedy_keeps_only_changes_that_help_in_combination():
       frozenset({"sparsify"}): (1.0, 1.3),
       frozenset({"sparsify", "max_norm"}): (0.95, 1.04),  # kept
       frozenset({"sparsify", "max_norm", "variance"}): (0.97, 1.03),  # worse
+      # The neighbourhood search finds a better one: Nesterov off as well.
       frozenset({"sparsify", "max_norm", "nesterov"}): (0.9, 1.0),
   })
-  result = study.greedy(fake, singles)
+  result = study.greedy(fake, singles, rounds=2)
   tried = [s["try"] for s in result["steps"]]
-  # Best single first; no_nesterov did not improve alone, so it is not tried.
+  # Best single first; no_nesterov did not improve alone, so pass 1 skips it.
   assert tried == ["no_sparsify", "no_clip", "no_variance_lr"]
   assert [s["kept"] for s in result["steps"]] == [True, True, False]
+  first = result["search"][0]
+  assert first["center"] == "cfg:max_norm=None+sparsify=None"
+  # Each mechanism is flipped: on ones off, off ones on in their best form
+  # (clipping as today's max_norm 1, which scored better than max_norm 10).
+  assert set(first["neighbours"]) == {
+      "+clip (as in today)", "-importance", "+topk (as in today)",
+      "+threshold (as in threshold_mask)", "-variance_lr", "-nesterov",
+      "-rmsprop_mix"}
+  assert result["winner_config"]["nesterov"] is False
   assert result["winner_config"]["sparsify"] is None
   assert result["winner_config"]["max_norm"] is None
-  assert result["winner_config"]["variance"] is True
-  # Each mechanism that is off in the winner is tried back on, in the form
-  # whose single change scored best (max_norm 1 in today's 1.2 < 1.25).
-  assert set(result["back_on"]) == {"clip", "topk", "threshold"}
-  assert result["back_on"]["clip"]["as_in"] == "today"
-  # The winner with clipping back on is the config with only the mask off.
-  assert fake.variants["winner+clip"] == {"geomean": 1.0, "max": 1.3}
+  # Round 2 looked around the new winner and found nothing better.
+  assert len(result["search"]) == 2
+  assert result["end"] == "cfg:max_norm=None+nesterov=False+sparsify=None"
