@@ -1,5 +1,6 @@
-"""Smoke test of the convergence benchmark and the claims table (tiny run)."""
+"""Smoke test of the convergence suite, the study and the claims table."""
 
+import dataclasses
 import json
 import math
 
@@ -7,56 +8,87 @@ import numpy as np
 
 from benchmarks import claims
 from benchmarks import convergence
+from benchmarks import problems
+from benchmarks import study
 
 
-def test_steps_to_target_and_lr_choice():
+def test_helpers():
   steps = np.array([10, 20, 30])
   assert convergence.steps_to_target(steps, [0.5, 0.96, 0.97], 0.95, "max") == 20
   assert convergence.steps_to_target(steps, [0.5, 0.6, 0.7], 0.95, "max") is None
   assert convergence.steps_to_target(steps, [1.0, np.nan, 1e-4], 1e-3, "min") == 30
-  run = lambda final, tie: convergence.Run(0, final, tie, None, 0.0, 0.0,
-                                           (steps, steps), (steps, steps))
-  # Best final metric wins; a diverged (NaN) run never does; ties -> tie-break.
-  assert convergence.choose_lr({1e-3: run(0.9, 1.0), 1e-2: run(0.95, 2.0),
-                                1e-1: run(math.nan, 0.0)}, "max") == 1e-2
-  assert convergence.choose_lr({1e-3: run(0.9, 1.0), 1e-2: run(0.9, 0.5)},
-                               "max") == 1e-2
-  assert convergence.grpo_flags({"sparsify": None, "importance": False,
-                                 "adam_weight": 1.0}) == [
-      "--grpo-sparsify", "none", "--grpo-importance", "false",
-      "--grpo-adam-weight", "1.0"]
+  # The smallest finite mean wins; ties go to the smaller learning rate.
+  assert convergence.best_index([None, 0.3, 0.2, 0.2, None]) == 2
+  assert convergence.best_index([None, None]) is None
+  assert math.isclose(convergence.geomean([0.5, 2.0, 1.0]), 1.0)
+  assert convergence.geomean([1.0, None]) is None
+  # Mean of the last 10% of the steps; a non-finite tail counts as diverged.
+  losses = np.array([[1.0] * 18 + [2.0, 4.0], [1.0] * 19 + [np.inf]])
+  np.testing.assert_allclose(problems.smoothed_final(losses), [3.0, np.nan])
+  assert problems.lr_window(1e-3, 0.1) == (1e-3, 3e-3, 1e-2, 3e-2, 0.1)
+  tasks = {"a": {"results": {"adam": {"best": {"mean": 2.0}},
+                             "x": {"best": {"mean": 1.0}}}},
+           "b": {"results": {"adam": {"best": {"mean": 1.0}},
+                             "x": {"best": {"mean": 4.0}}}}}
+  table = convergence.ratio_table(tasks)
+  assert table["x"]["per_task"] == {"a": 0.5, "b": 4.0}
+  assert math.isclose(table["x"]["geomean"], math.sqrt(2.0))
+  assert table["x"]["max"] == 4.0 and table["x"]["worst_task"] == "b"
+  assert study.score({"geomean": 0.9, "max": 1.2}) > study.score(
+      {"geomean": 1.1, "max": 1.0})
 
 
-def test_convergence_harness_writes_results(tmp_path):
+def test_sweep_is_the_same_vectorized_or_not():
+  task = problems.linreg(steps=12)
+  seeds = [0, 1]
+  a = convergence.sweep_task(task, convergence.OPTIMIZERS["adam"], seeds, 12)
+  task_loop = dataclasses.replace(task, vectorize=False)
+  b = convergence.sweep_task(task_loop, convergence.OPTIMIZERS["adam"], seeds,
+                             12)
+  np.testing.assert_allclose([s["mean"] for s in a["final_by_lr"]],
+                             [s["mean"] for s in b["final_by_lr"]], rtol=1e-5)
+
+
+def test_convergence_study_and_claims_write_results(tmp_path):
   out = tmp_path / "results"
   report = convergence.main([
-      "--tasks", "quadratic", "--optimizers", "grpo,adam", "--seeds", "2",
-      "--steps", "30", "--ablation", "preset,no_clip", "--out", str(out),
-      "--cache-dir", ""])
+      "--tasks", "logistic", "--optimizers", "grpo,adam,nadam,adamw",
+      "--seeds", "2", "--steps", "20", "--out", str(out), "--cache-dir", ""])
   data = json.loads((out / "convergence.json").read_text())
-  assert data["meta"]["seeds"] == [0, 1] == report["meta"]["seeds"]
-  task = data["tasks"]["quadratic"]
-  assert set(task["results"]) == {"grpo", "adam"}
-  for r in task["results"].values():
-    assert r["lr"] in r["lr_grid"] and len(r["lr_grid"]) >= 3
-    assert r["seeds"] == [0, 1] and r["final"]["n"] == 2
-    assert r["final"]["mean"] is not None and r["final"]["std"] is not None
-    assert 0.0 <= r["explosion_rate"]["mean"] <= 1.0
-    assert len(r["loss_curve"]["steps"]) == 30
-  ablation = json.loads((out / "ablation.json").read_text())
-  variants = ablation["tasks"]["quadratic"]["variants"]
-  assert set(variants) == {"preset", "no_clip"}
-  # The preset row reuses the convergence runs of grpo.
-  assert variants["preset"]["final"] == task["results"]["grpo"]["final"]
+  assert set(data["tasks"]) == {"logistic"}
+  for task in data["tasks"].values():
+    assert list(task["results"]) == ["adam", "grpo", "nadam", "adamw"]
+    for r in task["results"].values():
+      assert r["best_lr"] in r["lrs"] and len(r["lrs"]) >= 5
+      assert r["seeds"] == [0, 1] and r["best"]["n"] == 2
+      assert len(r["final_by_lr"]) == len(r["lrs"])
+      assert 0.0 <= r["explosion_rate"]["mean"] <= 1.0
+      assert len(r["loss_curve"]["steps"]) == 20
+  assert "accuracy" in data["tasks"]["logistic"]["results"]["adam"]["heldout"]
+  ratios = data["ratios"]
+  assert ratios["adam"]["geomean"] == 1.0
+  assert math.isclose(
+      ratios["grpo"]["per_task"]["logistic"],
+      data["tasks"]["logistic"]["results"]["grpo"]["best"]["mean"]
+      / data["tasks"]["logistic"]["results"]["adam"]["best"]["mean"])
+  assert report["ratios"]["grpo"]["geomean"] == ratios["grpo"]["geomean"]
   md = (out / "convergence.md").read_text()
-  assert "| grpo |" in md and "| adam |" in md and "steps to target" in md
-  assert "| no_clip |" in (out / "ablation.md").read_text()
-  for png in ("convergence_quadratic.png", "ablation_quadratic.png"):
-    assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-  # --render-only rebuilds the same Markdown from the JSON.
-  convergence.main(["--render-only", "--out", str(out)])
+  assert "| **geometric mean** |" in md and "grpo / adam" in md
+  assert (out / "convergence_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  convergence.main(["--render-only", "--no-plot", "--out", str(out)])
   assert (out / "convergence.md").read_text() == md
+
+  rep = study.main(["--tasks", "logistic", "--steps", "20", "--seeds", "2",
+                    "--variants", "no_clip", "--no-greedy", "--out", str(out),
+                    "--cache-dir", ""])
+  assert set(rep["variants"]) == {"today", "no_clip"}
+  # The baselines came from convergence.json (same settings), not new runs.
+  for opt in study.BASELINES:
+    assert rep["baselines"]["logistic"][opt] == \
+        data["tasks"]["logistic"]["results"][opt]
+  today = rep["variants"]["today"]
+  assert today["ratios"]["logistic"] == today["geomean"] == today["max"]
+  assert "## One change at a time" in (out / "study.md").read_text()
 
   text = claims.main(["--results", str(out)])
   rows = [line for line in text.splitlines() if line.startswith("| ") and
@@ -96,3 +128,54 @@ def test_claims_traffic_row_reads_communication_json(tmp_path):
   row = [line for line in claims.main(["--results", str(tmp_path)])
          .splitlines() if "all-reduce traffic" in line][0]
   assert "| does not hold;" in row
+
+
+class _FakeStudy:
+  """Scores configurations by a table instead of training (greedy logic)."""
+
+  def __init__(self, table):
+    self.table = table  # frozenset of changed fields -> (geomean, max)
+    self.variants = {}
+
+  def evaluate(self, name, config, description):
+    key = frozenset(config.changes())
+    g, m = self.table.get(key, (2.0, 2.0))
+    entry = {"geomean": g, "max": m}
+    self.variants[name] = entry
+    return entry
+
+
+def test_greedy_keeps_only_changes_that_help_in_combination():
+  singles = {"today": {"geomean": 1.2, "max": 1.5},
+             "no_clip": {"geomean": 1.1, "max": 1.4},
+             "no_sparsify": {"geomean": 1.0, "max": 1.3},
+             "no_variance_lr": {"geomean": 1.15, "max": 1.4},
+             "no_nesterov": {"geomean": 1.3, "max": 1.6},
+             "threshold_mask": {"geomean": 1.3, "max": 1.6},
+             "max_norm_10": {"geomean": 1.25, "max": 1.5}}
+  fake = _FakeStudy({
+      frozenset({"sparsify"}): (1.0, 1.3),
+      frozenset({"sparsify", "max_norm"}): (0.95, 1.04),  # kept
+      frozenset({"sparsify", "max_norm", "variance"}): (0.97, 1.03),  # worse
+      # The neighbourhood search finds a better one: Nesterov off as well.
+      frozenset({"sparsify", "max_norm", "nesterov"}): (0.9, 1.0),
+  })
+  result = study.greedy(fake, singles, rounds=2)
+  tried = [s["try"] for s in result["steps"]]
+  # Best single first; no_nesterov did not improve alone, so pass 1 skips it.
+  assert tried == ["no_sparsify", "no_clip", "no_variance_lr"]
+  assert [s["kept"] for s in result["steps"]] == [True, True, False]
+  first = result["search"][0]
+  assert first["center"] == "cfg:max_norm=None+sparsify=None"
+  # Each mechanism is flipped: on ones off, off ones on in their best form
+  # (clipping as today's max_norm 1, which scored better than max_norm 10).
+  assert set(first["neighbours"]) == {
+      "+clip (as in today)", "-importance", "+topk (as in today)",
+      "+threshold (as in threshold_mask)", "-variance_lr", "-nesterov",
+      "-rmsprop_mix"}
+  assert result["winner_config"]["nesterov"] is False
+  assert result["winner_config"]["sparsify"] is None
+  assert result["winner_config"]["max_norm"] is None
+  # Round 2 looked around the new winner and found nothing better.
+  assert len(result["search"]) == 2
+  assert result["end"] == "cfg:max_norm=None+nesterov=False+sparsify=None"
