@@ -23,6 +23,8 @@ import time
 import jax
 from flax import nnx
 
+import grpo_optax
+
 from examples.bert_mlm import input_pipeline as bert_pipeline
 from examples.bert_mlm import main as bert_main
 from examples.bert_mlm import models as bert_models
@@ -33,7 +35,16 @@ from examples.resnet_cifar10 import main as resnet_main
 from examples.resnet_cifar10 import models as resnet_models
 from examples.resnet_cifar10 import train as resnet_train
 
-OPTIMIZERS = {"adam": [], "grpo": [], "grpo_chain": ["--grpo-fused", "false"]}
+OPTIMIZERS = {
+    "adam": [],
+    "grpo": [],
+    "grpo_chain": ["--grpo-fused", "false"],
+    # grpo(lr, **ARTICLE_DEFAULTS): the articles' settings, one-pass.
+    "grpo_article": [item for key, value in
+                     grpo_optax.ARTICLE_DEFAULTS.items()
+                     for item in ("--grpo-" + key.replace("_", "-"),
+                                  str(value).lower())],
+}
 
 
 def _resnet(flags):

@@ -87,12 +87,18 @@ def optimizers(lr: float = 1e-3) -> dict[str, Callable[[], optax.GradientTransfo
       "grpo_threshold_chain": lambda: g.grpo(lr, sparsify="threshold",
                                              fused=False),
       "grpo_topk_chain": lambda: g.grpo(lr, sparsify="topk", fused=False),
+      # The articles' settings (importance weighting, the Adam/RMSProp mix,
+      # the variance rate, every leaf masked), one-pass.
+      "grpo_article_dense": lambda: g.grpo(lr, sparsify=None,
+                                           **g.ARTICLE_DEFAULTS),
+      "grpo_article_topk": lambda: g.grpo(lr, sparsify="topk",
+                                          **g.ARTICLE_DEFAULTS),
   }
 
 
 QUICK = ("sgd_momentum", "adam", "nadam", "grpo_dense", "grpo_threshold",
          "grpo_topk", "grpo_dense_chain", "grpo_threshold_chain",
-         "grpo_topk_chain")
+         "grpo_topk_chain", "grpo_article_dense", "grpo_article_topk")
 COMPILE = ("adam", "grpo_dense", "grpo_threshold", "grpo_topk")
 
 

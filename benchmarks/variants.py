@@ -1,0 +1,22 @@
+"""Extra optimizers for the convergence suite: the preset's other settings.
+
+``python -m benchmarks.convergence --factory benchmarks.variants:VARIANTS``
+adds them to the table beside the library's defaults:
+
+* ``grpo_article``: ``grpo(lr, **ARTICLE_DEFAULTS)``, the articles' literal
+  settings (importance weighting on, half Nesterov-Adam / half RMSProp, the
+  variance learning rate at rate 0.1, every leaf masked);
+* ``grpo_min_size_0``: the defaults with ``min_size=0``, so that leaves under
+  1,024 entries are masked too (the default leaves them dense, which keeps the
+  compiled program small); it shows what that choice costs in loss.
+"""
+
+from __future__ import annotations
+
+import grpo_optax
+
+VARIANTS = {
+    "grpo_article": lambda lr: grpo_optax.grpo(
+        lr, **grpo_optax.ARTICLE_DEFAULTS),
+    "grpo_min_size_0": lambda lr: grpo_optax.grpo(lr, min_size=0),
+}
