@@ -119,6 +119,7 @@ GRID = {
         sparsify="threshold", alpha=0.4, every=2, threshold_scale=0.8,
         error_feedback=False, adam_weight=0.8, mu_dtype=jnp.bfloat16,
         variance_coef=2.0, variance_reduction="global", variance_eps=1e-3,
+        variance_normalize=True,  # variance_eps acts only when normalising
         importance_placement="output", rms_bias_correction=True),
     "exact_topk_only": dict(
         learning_rate=0.1, max_norm=None, importance=False, topk_method="exact",
