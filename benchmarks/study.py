@@ -1,7 +1,8 @@
 """Which of the preset's choices pay: one change at a time, then combined.
 
-Starting from today's ``grpo()`` (:data:`TODAY`, the library's defaults
-written out), each variant changes one choice; every variant runs on the
+Starting from the preset as it stood before the study (:data:`TODAY`: the
+articles' settings, ``grpo(lr, **ARTICLE_DEFAULTS, fused=False)``, with
+clipping at norm 1 and the sampled top-k), each variant changes one choice; every variant runs on the
 convergence suite (:mod:`benchmarks.problems`) with the same learning-rate
 sweep, seeds, budgets and metric as :mod:`benchmarks.convergence` (best over
 the sweep of the mean-over-seeds smoothed final training loss), and is scored
@@ -115,7 +116,9 @@ class Config:
           "sparsify": self.sparsify, "adam_weight": self.adam_weight,
           "nesterov": self.nesterov,
           "variance_coef": 0.1 if self.variance else None,
-          "variance_reduction": self.variance_reduction}
+          "variance_reduction": self.variance_reduction,
+          # As the study ran: every leaf masked, separate stages.
+          "min_size": 0, "fused": False}
     return kw
 
   def library_changes(self) -> list[str]:
@@ -133,6 +136,12 @@ class Config:
 
 
 TODAY = Config()
+
+# What the study chose (``python -m benchmarks.study --quick``, README
+# "Defaults chosen by measurement"): grpo()'s defaults are these choices, run
+# in the one-pass form and with leaves under 1,024 entries left dense (both
+# measured by ``python -m benchmarks.convergence``).
+WINNER = Config(importance=False, adam_weight=1.0, variance=False)
 
 
 # ------------------------------------------------ benchmark-local pieces
@@ -266,7 +275,8 @@ def replace(config: Config, **changes) -> Config:
 # assignments switch the mechanism they refine on, so that the greedy phase
 # can apply them to any configuration.
 SINGLE = {
-    "today": ({}, "grpo() as the library has it"),
+    "today": ({}, "the preset before the study (the articles' settings, "
+              "chain form)"),
     "no_clip": ({"max_norm": None}, "clipping off"),
     "max_norm_10": ({"max_norm": 10.0}, "max_norm 10"),
     "no_importance": ({"importance": False}, "importance weighting off"),

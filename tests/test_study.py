@@ -46,14 +46,33 @@ def test_chain_equals_grpo_where_expressible(changes):
       np.testing.assert_allclose(g[k], w[k], rtol=1e-6, atol=1e-8)
 
 
-def test_today_is_the_library_default():
-  # TODAY spells out grpo()'s defaults; if the library changes them, the
-  # study's starting point must be updated on purpose.
+def test_today_is_the_articles_preset():
+  # TODAY is the preset the study started from: the articles' settings in
+  # the chain form, every leaf masked.
   got = _run(study.build(study.TODAY)(1e-2))
-  want = _run(grpo_optax.grpo(1e-2))
+  want = _run(grpo_optax.grpo(1e-2, **grpo_optax.ARTICLE_DEFAULTS,
+                              fused=False))
   for g, w in zip(got, want):
     for k in g:
       np.testing.assert_array_equal(g[k], w[k])
+
+
+def test_library_defaults_are_the_study_winner():
+  # grpo()'s defaults are the study's choices; only the form (one pass) and
+  # min_size (leaves under 1,024 entries dense) differ, both measured by the
+  # convergence suite.
+  import inspect  # pylint: disable=g-import-not-at-top
+  defaults = {n: p.default for n, p in
+              inspect.signature(grpo_optax.grpo).parameters.items()}
+  for key, value in study.WINNER.grpo_kwargs().items():
+    if key in ("min_size", "fused"):
+      continue
+    assert defaults[key] == value, key
+  assert defaults["min_size"] == 1024 and defaults["fused"] is True
+  # The articles' settings are exactly what the study switched off.
+  article = study.TODAY.grpo_kwargs()
+  for key, value in grpo_optax.ARTICLE_DEFAULTS.items():
+    assert article[key] == value, key
 
 
 def test_corrected_rms_matches_numpy():
