@@ -258,8 +258,9 @@ def build(results: str) -> tuple[Table, dict[str, Any]]:
                     ps is not None and (ns is None or ps < ns))
   t.add("the variance-based dynamic lr cuts wasted iterations (the stated "
         "cause of the 28-35%)", "000 §2.1, §3.1",
-        "best final training loss over the shared lr sweep, today's preset "
-        "with vs without the variance lr: " + ("; ".join(var_parts) or
+        "best final training loss over the shared lr sweep, the articles' "
+        "preset (the study's starting point) with vs without the variance "
+        "lr: " + ("; ".join(var_parts) or
                                               "pending"),
         "the convergence suite's tasks, budgets and seeds", STUDY,
         PENDING if not var_parts else HOLDS if all(better) else
@@ -364,7 +365,8 @@ def build(results: str) -> tuple[Table, dict[str, Any]]:
         imp.append(f"{task}: {pm:.4g} with vs {nm:.4g} without")
   t.add("key-parameter update efficiency 2.3x (Taylor importance)", "004 §2.1",
         "the articles do not define the metric. Best final training loss, "
-        "today's preset with vs without importance weighting: "
+        "the articles' preset (the study's starting point) with vs without "
+        "importance weighting: "
         + ("; ".join(imp) or "pending"),
         "the convergence suite's tasks, shared lr sweep", STUDY,
         NA + " (undefined metric)")

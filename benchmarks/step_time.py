@@ -65,6 +65,10 @@ def optimizers(lr: float = 1e-3) -> dict[str, Callable[[], optax.GradientTransfo
       "adam": lambda: optax.adam(lr),
       "adamw": lambda: optax.adamw(lr),
       "nadam": lambda: optax.nadam(lr),
+      # optax's own NAdam with global-norm clipping: what grpo()'s defaults
+      # are without the mask.
+      "clip_nadam": lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                                        optax.nadam(lr)),
       "clip_with_l2": lambda: optax.chain(g.clip_with_l2(1.0, 1e-4),
                                           optax.sgd(lr)),
       "scale_by_importance": lambda: optax.chain(g.scale_by_importance(),
@@ -96,10 +100,11 @@ def optimizers(lr: float = 1e-3) -> dict[str, Callable[[], optax.GradientTransfo
   }
 
 
-QUICK = ("sgd_momentum", "adam", "nadam", "grpo_dense", "grpo_threshold",
-         "grpo_topk", "grpo_dense_chain", "grpo_threshold_chain",
+QUICK = ("sgd_momentum", "adam", "nadam", "clip_nadam", "grpo_dense",
+         "grpo_threshold", "grpo_topk", "grpo_dense_chain", "grpo_threshold_chain",
          "grpo_topk_chain", "grpo_article_dense", "grpo_article_topk")
-COMPILE = ("adam", "grpo_dense", "grpo_threshold", "grpo_topk")
+COMPILE = ("adam", "clip_nadam", "grpo_dense", "grpo_threshold",
+           "grpo_topk")
 
 
 def _param_sized_arrays(state, n_leaves_params: int, param_sizes: set) -> int:
@@ -378,7 +383,7 @@ def main(argv=None):
   if args.compile_layers:
     layers = [int(x) for x in args.compile_layers.split(",")]
     compile_rows = compile_times([n for n in COMPILE if n in names or
-                                  n == "adam"], layers)
+                                  n == "adam"], layers, repeats=2)
     for r in compile_rows:
       print(f"compile {r['optimizer']:>20s} {r['leaves']:4d} leaves "
             f"{r['compile_s']:7.2f} s  x{r.get('ratio_to_adam', 0):.2f} adam",
