@@ -27,6 +27,13 @@ def ema(old: Array, new: Array, decay: Array) -> Array:
   return decay * old + (1 - decay) * new
 
 
+def abs_sq(x: Array) -> Array:
+  """``|x|^2``, real: ``x * x``, or ``re(x)^2 + im(x)^2`` for complex ``x``."""
+  if jnp.iscomplexobj(x):
+    return jnp.real(x) ** 2 + jnp.imag(x) ** 2
+  return x * x
+
+
 def clip_factor(norm: Array, max_norm: Array) -> Array:
   """``min(1, max_norm / norm)``: the global-norm clip as one multiplier."""
   return jnp.minimum(1.0, max_norm / norm)

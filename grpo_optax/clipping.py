@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from grpo_optax import _common
+from grpo_optax import _formulas as F
 
 
 class ClipWithL2State(NamedTuple):
@@ -28,7 +29,7 @@ class ClipWithL2State(NamedTuple):
 def global_norm32(tree) -> jax.Array:
   """Global L2 norm of a tree, accumulated in float32 (0 for an empty tree)."""
   leaves = jax.tree.leaves(tree)
-  sq = sum((_common.sum32(jnp.square(x)) for x in leaves),
+  sq = sum((_common.sum32(F.abs_sq(x)) for x in leaves),
            jnp.zeros((), jnp.float32))
   return jnp.sqrt(sq)
 
@@ -43,9 +44,10 @@ def _norm_with_l2(updates, params, l2) -> jax.Array:
   g_leaves = jax.tree.leaves(updates)
   p_leaves = jax.tree.leaves(params)
   zero = jnp.zeros((), jnp.float32)
-  gg = sum((_common.sum32(jnp.square(g)) for g in g_leaves), zero)
-  gp = sum((_common.sum32(g * p) for g, p in zip(g_leaves, p_leaves)), zero)
-  pp = sum((_common.sum32(jnp.square(p)) for p in p_leaves), zero)
+  gg = sum((_common.sum32(F.abs_sq(g)) for g in g_leaves), zero)
+  gp = sum((_common.sum32(jnp.real(g * jnp.conj(p)))
+            for g, p in zip(g_leaves, p_leaves)), zero)
+  pp = sum((_common.sum32(F.abs_sq(p)) for p in p_leaves), zero)
   return jnp.sqrt(jnp.maximum(gg + 2 * l2 * gp + l2 * l2 * pp, 0.0))
 
 

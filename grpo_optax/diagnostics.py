@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_optax import _formulas as F
 from grpo_optax import _common
 from grpo_optax.clipping import ClipWithL2State
 from grpo_optax import fused
@@ -111,7 +112,7 @@ def _grpo_metrics(state: GrpoState) -> dict[str, jax.Array]:
     res = fused.residual(state)
     if res is not None:
       out[f"{prefix}/residual_norm"] = jnp.sqrt(sum(
-          (jnp.sum(jnp.square(x.astype(jnp.float32)))
+          (jnp.sum(F.abs_sq(x).astype(jnp.float32))
            for x in jax.tree.leaves(res)), jnp.zeros((), jnp.float32)))
     if st.tau_mean is not None:
       out["threshold/tau_mean"] = st.tau_mean
@@ -140,7 +141,7 @@ def _stage_metrics(state) -> dict[str, jax.Array]:
     if state.residual is not None:
       leaves = jax.tree.leaves(state.residual)
       out["residual_norm"] = jnp.sqrt(sum(
-          (jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves),
+          (jnp.sum(F.abs_sq(x).astype(jnp.float32)) for x in leaves),
           jnp.zeros((), jnp.float32)))
     if isinstance(state, EmaThresholdMaskState):
       out["tau_mean"] = (jnp.mean(state.tau) if state.tau.size

@@ -146,6 +146,30 @@ def _compute_dtype(dtype) -> Any:
   return jnp.promote_types(dtype, jnp.float32)
 
 
+def _check_dtypes(leaves, *, importance: bool, variance: bool,
+                  freeze: bool) -> None:
+  """Floating-point or complex gradients only; complex without the stages
+  whose per-element statistics are defined for real values."""
+  for x in leaves:
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+      raise TypeError(
+          f"grpo: gradients must be floating-point or complex, got a leaf of "
+          f"dtype {dtype} (shape {jnp.shape(x)}); leave integer arrays out "
+          f"of the optimized tree (e.g. nnx.Optimizer(..., wrt=nnx.Param) or "
+          f"optax.masked)")
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+      off = [name for name, on in (("importance", importance),
+                                   ("variance_coef", variance),
+                                   ("freeze_threshold", freeze)) if on]
+      if off:
+        raise TypeError(
+            f"grpo: complex gradients (a leaf of dtype {dtype}) are "
+            f"supported with clipping, the masks and the Adam step only; "
+            f"switch off {', '.join(off)} (importance=False, "
+            f"variance_coef=None, freeze_threshold=None)")
+
+
 def _identity(x):
   return x
 
@@ -350,6 +374,8 @@ def one_pass(
       _common.check_same_structure("params", params, updates, "grpo")
     g_leaves, treedef = jax.tree.flatten(updates)
     n_leaves = len(g_leaves)
+    _check_dtypes(g_leaves, importance=importance, variance=variance_on,
+                  freeze=freeze_on)
     none = [None] * n_leaves
     flat = lambda tree: treedef.flatten_up_to(tree) if tree is not None else none
     p_leaves = flat(params)
@@ -396,11 +422,12 @@ def one_pass(
       # ||g + l2 p||^2 = |g|^2 + 2 l2 <g, p> + l2^2 |p|^2 from the inputs, so
       # that g + l2 p is never materialised for its norm.
       def sq_norm(i):
-        g = g_leaves[i].astype(jnp.float32)
+        g = g_leaves[i].astype(_compute_dtype(g_leaves[i].dtype))
         if not l2_on:
-          return _sums([g * g])[0]
-        p = p_leaves[i].astype(jnp.float32)
-        gg, gp, pp = _sums([g * g, g * p, p * p])
+          return _sums([F.abs_sq(g)])[0]
+        p = p_leaves[i].astype(g.dtype)
+        gg, gp, pp = _sums([F.abs_sq(g), jnp.real(g * jnp.conj(p)),
+                            F.abs_sq(p)])
         return gg + 2 * l2 * gp + l2 * l2 * pp
       norm = jnp.sqrt(jnp.maximum(_weighted_sum(
           [sq_norm(i) for i in live], np.ones(len(live))), 0.0))
@@ -566,7 +593,7 @@ def one_pass(
       m = masked_grad(i, for_moments=True)
       mu_new[i] = F.ema(mu_leaves[i].astype(m.dtype), m, b1).astype(
           mu_leaves[i].dtype)
-      nu_new[i] = F.ema(nu_leaves[i].astype(m.dtype), m * m, b2).astype(
+      nu_new[i] = F.ema(nu_leaves[i].astype(m.dtype), F.abs_sq(m), b2).astype(
           nu_leaves[i].dtype)
 
     if weight_output:

@@ -510,3 +510,72 @@ def test_freezing_normalises_over_the_leaves_still_trainable():
   np.testing.assert_allclose(float(imp["c"]) / np.mean(
       [float(imp["a"]), float(imp["c"]), float(imp["d"])]), 0.2 / (1.7 / 3),
                              rtol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_complex_params_match_optax(fused, max_norm):
+  """Complex leaves: |g|^2 in the clip norm and in Adam's second moment, as
+  optax's clip_by_global_norm and nadam compute them (a g * g second moment
+  or a float32 cast of g would differ by the size of the update)."""
+  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+  params = {"z": (jax.random.normal(k1, (40, 40))
+                  + 1j * jax.random.normal(k2, (40, 40))).astype(jnp.complex64),
+            "r": jnp.linspace(-1.0, 1.0, 7)}
+  ref = optax.nadam(1e-2)
+  if max_norm is not None:
+    ref = optax.chain(optax.clip_by_global_norm(max_norm), ref)
+  tx = grpo_optax.grpo(1e-2, sparsify=None, max_norm=max_norm, fused=fused)
+  s_ref, s = ref.init(params), tx.init(params)
+  for t in range(4):
+    g = jax.tree.map(lambda x, t=t: x * (0.3 * (t + 1)), params)
+    want, s_ref = ref.update(g, s_ref, params)
+    got, s = jax.jit(tx.update)(g, s, params)
+    for k in params:
+      assert got[k].dtype == params[k].dtype
+      np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-7)
+
+
+def test_complex_params_with_topk_keep_the_error_feedback_invariant():
+  """As test_error_feedback_loses_nothing, on a complex leaf: with b1 = 0 the
+  first moment is the masked gradient; masked gradients plus the residual
+  add up to the gradients, and the mask ranks entries by modulus."""
+  params = {"z": (jnp.arange(1, 65.0).reshape(8, 8)
+                  * (1 - 0.5j)).astype(jnp.complex64)}
+  tx = grpo_optax.grpo(1e-3, max_norm=None, b1=0.0, min_size=0)
+  state = tx.init(params)
+  sent = jnp.zeros((8, 8), jnp.complex64)
+  total = jnp.zeros((8, 8), jnp.complex64)
+  for t in range(3):
+    g = {"z": params["z"] * jnp.cos(jnp.arange(64.0) + t).reshape(8, 8)}
+    _, state = jax.jit(tx.update)(g, state, params)
+    sent = sent + state.mu["z"]
+    total = total + g["z"]
+    kept = state.mu["z"] != 0
+    # Kept entries are the largest by modulus: every kept |g| >= every
+    # dropped |g| (of this step's accumulator, here the first step's g).
+    if t == 0:
+      mag = jnp.abs(g["z"])
+      assert float(jnp.min(jnp.where(kept, mag, jnp.inf))) >= float(
+          jnp.max(jnp.where(kept, -jnp.inf, mag)))
+      assert 0 < int(jnp.sum(kept)) < 64
+  np.testing.assert_allclose(sent + grpo_optax.fused.residual(state)["z"],
+                             total, rtol=1e-5, atol=1e-5)
+
+
+def test_complex_params_refuse_the_real_valued_stages():
+  params = {"z": jnp.ones((4, 4), jnp.complex64)}
+  for kw, name in ((dict(importance=True), "importance"),
+                   (dict(variance_coef=0.1), "variance_coef"),
+                   (dict(freeze_threshold=0.5), "freeze_threshold")):
+    tx = grpo_optax.grpo(1e-2, **kw)
+    with pytest.raises(TypeError, match=name):
+      tx.update(params, tx.init(params), params)
+
+
+def test_integer_gradients_are_refused_with_a_clear_error():
+  params = {"w": jnp.ones((4,)), "steps": jnp.ones((3,), jnp.int32)}
+  tx = grpo_optax.grpo(1e-2)
+  with pytest.raises(TypeError, match="int32.*floating-point|floating-point"
+                     ".*int32"):
+    tx.update(params, tx.init(params), params)
