@@ -182,8 +182,8 @@ def grpo(
   References:
     See the stages' docstrings.
   """
-  _common.check_choice("sparsify", sparsify, SPARSIFIERS)
-  _common.check_choice("importance_placement", importance_placement,
+  _common.check_choice("grpo: sparsify", sparsify, SPARSIFIERS)
+  _common.check_choice("grpo: importance_placement", importance_placement,
                        PLACEMENTS)
   for name, value in (("fused", fused), ("importance", importance),
                       ("adaptive", adaptive),
