@@ -87,7 +87,7 @@ def _bert(flags):
   step_fn = bert_train.make_train_step(
       graphdef, num_predictions=bert_pipeline.num_predictions(
           args.seq_len, args.mask_rate), vocab_size=data.vocab_size,
-      pass_head_entropy=args.optimizer == "grpo" and args.head_entropy)
+      pass_head_entropy=bert_train.uses_head_entropy(args))
   n = len(data.train)
 
   def batch(step):

@@ -150,7 +150,8 @@ def test_bert_grpo_two_steps_on_text_files_without_workdir(tmp_path,
   run_dir.mkdir()
   monkeypatch.chdir(run_dir)
   summary = _run(bert_main, bert_train, _TINY_BERT + [
-      "--steps", "2", "--optimizer", "grpo", "--text-files", str(text)])
+      "--steps", "2", "--optimizer", "grpo", "--grpo-importance", "true",
+      "--text-files", str(text)])
   assert summary["corpus"] == "files" and summary["optimizer"] == "grpo"
   assert [s for s, _ in summary["train_loss_history"]] == [1, 2]
   assert np.isfinite(summary["eval_loss"])
@@ -165,6 +166,15 @@ def test_bert_grpo_data_parallel_shared_support():
   assert summary["data_parallel"]["fraction"] == 0.3
   assert np.isfinite(summary["eval_loss"])
   assert all(np.isfinite(loss) for _, loss in summary["train_loss_history"])
+
+
+def test_head_entropy_reaches_grpo_only_with_importance_weighting():
+  uses = lambda *argv: bert_train.uses_head_entropy(bert_main.parse_args(
+      list(argv)))
+  assert not uses()  # the library's default: importance off
+  assert uses("--grpo-importance", "true")
+  assert not uses("--grpo-importance", "true", "--no-head-entropy")
+  assert not uses("--optimizer", "adam")
 
 
 def test_grpo_flags_follow_the_signature():

@@ -44,8 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   model.add_argument("--dropout", type=float, default=0.0)
   model.add_argument("--head-entropy", action=argparse.BooleanOptionalAction,
                      default=True,
-                     help="grpo only: pass per-head attention entropies to "
-                     "the optimizer (head_entropy=...).")
+                     help="grpo with importance weighting only (e.g. "
+                     "--grpo-importance true): pass per-head attention "
+                     "entropies to the optimizer (head_entropy=...).")
   flags.add_training_flags(parser, steps=600, batch_size=32, eval_every=200)
   args = parser.parse_args(argv)
   flags.check_common_args(parser, args)

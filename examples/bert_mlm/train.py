@@ -35,6 +35,14 @@ _EVAL_MASK_SEED = 12345
 _ATTENTION_PROJECTIONS = ("query", "key", "value", "out")
 
 
+def uses_head_entropy(args: argparse.Namespace) -> bool:
+  """Whether the step passes per-head entropies to the optimizer: grpo with
+  importance weighting on (the only stage that reads ``head_entropy=``) and
+  ``--head-entropy``."""
+  return (args.optimizer == "grpo" and args.head_entropy
+          and bool(optim.grpo_knob(args, "importance")))
+
+
 def head_entropy_tree(grads: nnx.State,
                       entropies: Sequence[jax.Array]) -> nnx.State:
   """The ``head_entropy`` extra argument of ``grpo_optax.grpo``.
@@ -209,7 +217,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
         start_step, replicas.residual_like(params)))
   train_step = make_train_step(
       graphdef, num_predictions=num_predictions, vocab_size=data.vocab_size,
-      pass_head_entropy=args.optimizer == "grpo" and args.head_entropy,
+      pass_head_entropy=uses_head_entropy(args),
       compiler_options=flags.compiler_options(args), replicas=replicas)
   eval_step = make_eval_step(graphdef, num_predictions=num_predictions,
                              vocab_size=data.vocab_size,

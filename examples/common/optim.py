@@ -115,6 +115,12 @@ def grpo_overrides(args: argparse.Namespace) -> dict[str, Any]:
           if hasattr(args, _GRPO_PREFIX + name)}
 
 
+def grpo_knob(args: argparse.Namespace, name: str) -> Any:
+  """A GRPO knob's value for this run: the flag if given, else the library's
+  default."""
+  return grpo_overrides(args).get(name, grpo_knobs()[name])
+
+
 def peak_learning_rate(args: argparse.Namespace,
                        default_lrs: dict[str, float]) -> float:
   """``--lr``, or the example's default for ``--optimizer``."""
