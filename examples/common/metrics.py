@@ -32,6 +32,14 @@ def optimizer_diagnostics(optimizer: nnx.Optimizer) -> dict[str, np.ndarray]:
           for name, value in _grpo_metrics(opt_state).items()}
 
 
+def scalar_optimizer_diagnostics(optimizer: nnx.Optimizer) -> dict[str, float]:
+  """The scalar entries of :func:`optimizer_diagnostics`, as Python floats
+  (what the examples write into ``metrics.json``)."""
+  return {name: float(value)
+          for name, value in optimizer_diagnostics(optimizer).items()
+          if value.size == 1}
+
+
 class MetricsWriter:
   """Writes scalars and histograms to TensorBoard; a no-op without a workdir."""
 

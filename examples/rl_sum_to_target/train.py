@@ -246,10 +246,8 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
                     else None,
       "wall_time_s": time.time() - start_time,
       "resumed_from_step": start_step,
-      "optimizer_diagnostics": {
-          name: float(value) for name, value in
-          metrics_lib.optimizer_diagnostics(optimizer).items()
-          if value.size == 1},
+      "optimizer_diagnostics": metrics_lib.scalar_optimizer_diagnostics(
+          optimizer),
       "train_loss_history": history["train_loss"],
       "train_history": history["train"],
       "eval_history": history["eval"],
