@@ -138,11 +138,8 @@ def make_train_step(graphdef: nnx.GraphDef, *, num_predictions: int,
         metrics[f"head_entropy/layer{i}_head{h}"] = entropy[h]
     return nnx.state((model, optimizer)), residual, metrics
 
-  if replicas is not None:
-    return replicas.jit(train_step, num_batch_args=1,
-                        compiler_options=compiler_options)
-  return jax.jit(train_step, donate_argnums=0,
-                 compiler_options=compiler_options)
+  return parallel.jit_train_step(train_step, replicas, num_batch_args=1,
+                                 compiler_options=compiler_options)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, *, num_predictions: int,

@@ -224,3 +224,13 @@ def make_replicas(args: argparse.Namespace) -> Replicas | None:
 def single_device(tree: Any, replicas: Replicas | None) -> Any:
   """``tree`` itself, or its single-device copy when data-parallel."""
   return tree if replicas is None else replicas.local(tree)
+
+
+def jit_train_step(step: Callable[..., Any], replicas: Replicas | None, *,
+                   num_batch_args: int, compiler_options=None):
+  """The examples' jitted training step: over the replicas when there are
+  some, else on one device with the ``(model, optimizer)`` state donated."""
+  if replicas is not None:
+    return replicas.jit(step, num_batch_args=num_batch_args,
+                        compiler_options=compiler_options)
+  return jax.jit(step, donate_argnums=0, compiler_options=compiler_options)
