@@ -9,7 +9,7 @@ Each seed mechanism of the two source articles lives in one module:
 * :mod:`grpo_optax.clipping` -- global-norm clipping with coupled L2 (6).
 * :mod:`grpo_optax.freezing` -- dynamic freezing (9).
 * :mod:`grpo_optax.presets` -- the :func:`grpo` preset (and ``ARTICLE_DEFAULTS``).
-* :mod:`grpo_optax.fused` -- its one-pass form with shared statistics.
+* :mod:`grpo_optax.fused` -- its fused clip + mask + Adam core.
 * :mod:`grpo_optax.diagnostics` -- :func:`metrics` and friends.
 * :mod:`grpo_optax.training` -- program changes: hierarchical gradients (7),
   immediate updates (8), freezing that skips compute (9).
@@ -25,8 +25,8 @@ from grpo_optax.diagnostics import importance_converged
 from grpo_optax.diagnostics import metrics
 from grpo_optax.freezing import FreezeBelowState
 from grpo_optax.freezing import freeze_below
-from grpo_optax.fused import GrpoState
-from grpo_optax.fused import GrpoStats
+from grpo_optax.fused import FusedState
+from grpo_optax.fused import clip_mask_adam
 from grpo_optax.importance import ScaleByImportanceState
 from grpo_optax.importance import per_head
 from grpo_optax.importance import scale_by_importance
@@ -50,12 +50,12 @@ __all__ = [
     "ClipWithL2State",
     "EmaThresholdMaskState",
     "FreezeBelowState",
-    "GrpoState",
-    "GrpoStats",
+    "FusedState",
     "ScaleByImportanceState",
     "ScaleByNesterovAdamRmsState",
     "ScaleByVarianceLrState",
     "TopKMaskState",
+    "clip_mask_adam",
     "clip_with_l2",
     "ema_threshold_mask",
     "freeze_below",

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import optax
 
 from grpo_optax import _common
-from grpo_optax import _formulas
 
 
 class ScaleByNesterovAdamRmsState(NamedTuple):
@@ -25,6 +24,42 @@ class ScaleByNesterovAdamRmsState(NamedTuple):
   mu: optax.Updates  # first moment (Adam)
   nu: optax.Updates  # second moment, shared by Adam and RMSProp
   filtered: Optional[optax.Updates]  # noise-filter EMA, None when disabled
+
+  def metrics(self) -> dict[str, jax.Array]:
+    return {}
+
+
+def nesterov_moment(mu, g, b1, bc1, bc1_next):
+  """NAdam's look-ahead ``b1 mu / bc1_next + (1 - b1) g / bc1``.
+
+  ``bc1 = 1 - b1^(t+1)``, ``bc1_next = 1 - b1^(t+2)`` (``t`` = count before
+  the step), as ``optax.scale_by_adam(nesterov=True)``.
+  """
+  return b1 * (mu / bc1_next) + (1 - b1) * (g / bc1)
+
+
+def adam_rms_mix(mu_hat, nu_hat, nu_rms, g, eps, eps_root, adam_weight):
+  """``w mu_hat / (sqrt(nu_hat + eps_root) + eps) + (1 - w) g / (sqrt(nu_rms) + eps)``."""
+  adam = mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)
+  rms = g / (jnp.sqrt(nu_rms) + eps)
+  return adam_weight * adam + (1 - adam_weight) * rms
+
+
+def moment_dtype(param_dtype, requested) -> Any:
+  """The storage dtype of a moment: ``requested``, else the param's dtype,
+  except float16, whose range (smallest normal 6e-5) underflows a squared
+  gradient: float16 params keep their moments in float32 by default."""
+  if requested is not None:
+    return jnp.dtype(requested)
+  dtype = jnp.dtype(param_dtype)
+  return jnp.dtype(jnp.float32) if dtype == jnp.float16 else dtype
+
+
+def moments_like(params, dtype) -> Any:
+  """Zero moments shaped like ``params`` in :func:`moment_dtype`."""
+  return jax.tree.map(
+      lambda p: jnp.zeros(jnp.shape(p), moment_dtype(jnp.result_type(p), dtype)),
+      params)
 
 
 def scale_by_nesterov_adam_rms(
@@ -37,6 +72,7 @@ def scale_by_nesterov_adam_rms(
     filter_decay: Optional[float] = None,
     mu_dtype: Optional[Any] = None,
     rms_bias_correction: bool = False,
+    nu_dtype: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Mixes a (Nesterov-)Adam update with an RMSProp update sharing one ``nu``.
 
@@ -68,9 +104,11 @@ def scale_by_nesterov_adam_rms(
     adam_weight: weight ``w`` of the Adam update, in [0, 1].
     nesterov: whether Adam uses Nesterov's look-ahead (NAdam).
     filter_decay: decay of the noise filter in [0, 1), or ``None`` for no filter.
-    mu_dtype: optional dtype of the first moment (e.g. ``jnp.bfloat16``).
+    mu_dtype: optional dtype of the first moment (e.g. ``jnp.bfloat16``);
+      default: the param's dtype, float32 for float16 params.
     rms_bias_correction: divide RMSProp's ``nu`` by ``1 - b2^(t+1)`` as
       Adam does (off: exactly ``optax.scale_by_rms``).
+    nu_dtype: optional dtype of the second moment; default as ``mu_dtype``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -107,7 +145,6 @@ def scale_by_nesterov_adam_rms(
   if not isinstance(rms_bias_correction, bool):
     raise TypeError("rms_bias_correction must be a bool, got "
                     f"{type(rms_bias_correction).__name__}")
-  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
   b1 = _common.f32(b1)
   b2 = _common.f32(b2)
@@ -120,8 +157,8 @@ def scale_by_nesterov_adam_rms(
   def init_fn(params):
     return ScaleByNesterovAdamRmsState(
         count=jnp.zeros([], jnp.int32),
-        mu=optax.tree.zeros_like(params, dtype=mu_dtype),
-        nu=optax.tree.zeros_like(params),
+        mu=moments_like(params, mu_dtype),
+        nu=moments_like(params, nu_dtype),
         filtered=(None if filter_decay is None
                   else optax.tree.zeros_like(params)),
     )
@@ -137,30 +174,33 @@ def scale_by_nesterov_adam_rms(
       g = optax.tree.cast_like(g, updates)
     else:
       g = updates
-
+    # Moments stored wider than the gradient (float16 params) get the
+    # gradient in their dtype before it is squared.
+    g = jax.tree.map(
+        lambda x, v: x.astype(jnp.promote_types(x.dtype, v.dtype)), g,
+        state.nu)
     mu = optax.tree.update_moment(g, state.mu, b1, 1)
     nu = optax.tree.update_moment_per_elem_norm(g, state.nu, b2, 2)
-    bc1 = _formulas.bias_correction(b1, count_inc)
-    bc2 = _formulas.bias_correction(b2, count_inc)
+    bc1 = _common.bias_correction(b1, count_inc)
+    bc2 = _common.bias_correction(b2, count_inc)
     if nesterov:
-      bc1_next = _formulas.bias_correction(
+      bc1_next = _common.bias_correction(
           b1, optax.safe_increment(count_inc))
       mu_hat = jax.tree.map(
-          lambda m, gi: _formulas.nesterov_moment(
+          lambda m, gi: nesterov_moment(
               m, gi, b1, bc1.astype(m.dtype), bc1_next.astype(m.dtype)), mu, g)
     else:
       mu_hat = jax.tree.map(lambda m: m / bc1.astype(m.dtype), mu)
 
     def mix(m_hat, v, gi):
       v_hat = v / bc2.astype(v.dtype)
-      out = _formulas.adam_rms_mix(m_hat, v_hat,
-                                   v_hat if rms_bias_correction else v, gi,
-                                   eps, eps_root, adam_weight)
-      return out.astype(gi.dtype)
+      out = adam_rms_mix(m_hat, v_hat, v_hat if rms_bias_correction else v,
+                         gi, eps, eps_root, adam_weight)
+      return out
 
-    out = jax.tree.map(mix, mu_hat, nu, g)
-    mu = optax.tree.cast(mu, mu_dtype) if mu_dtype is not None else (
-        optax.tree.cast_like(mu, state.mu))
+    out = jax.tree.map(lambda m, v, gi, u: mix(m, v, gi).astype(u.dtype),
+                       mu_hat, nu, g, updates)
+    mu = optax.tree.cast_like(mu, state.mu)
     nu = optax.tree.cast_like(nu, state.nu)
     return out, ScaleByNesterovAdamRmsState(
         count=count_inc, mu=mu, nu=nu, filtered=filtered)
