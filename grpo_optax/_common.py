@@ -88,9 +88,19 @@ def check_same_structure(name: str, tree: Any, like: Any, who: str) -> None:
   s1 = jax.tree.structure(tree)
   s2 = jax.tree.structure(like)
   if s1 != s2:
+    short = lambda s: (str(s) if len(str(s)) <= 160
+                       else str(s)[:150] + " ...")
+    extra = [x for x in jax.tree.leaves(tree)
+             if not isinstance(x, (jax.Array, np.ndarray, np.generic,
+                                   int, float, complex))]
+    hint = (" It has non-array leaves (e.g. "
+            f"{type(extra[0]).__name__}): with Equinox pass "
+            "`eqx.filter(model, eqx.is_array)` as params, the same filter as "
+            "the gradients." if extra else "")
     raise ValueError(
-        f"{who}: `{name}` must have the same tree structure as the updates;"
-        f" got {s1} vs updates {s2}")
+        f"{who}: `{name}` must have the same tree structure as the updates"
+        f" ({s1.num_leaves} vs {s2.num_leaves} leaves: {short(s1)} vs "
+        f"{short(s2)}).{hint}")
 
 
 def is_static_zero(value: Any) -> bool:
@@ -183,18 +193,28 @@ def grid_sample(x: jax.Array, strides: tuple[int, ...],
   """
   if offsets is None:
     return x[tuple(slice(None, None, s) for s in strides)]
-  shape = []
-  for n, s in zip(x.shape, strides):
+  shape, starts, sizes = [], [], []
+  for d, (n, s) in enumerate(zip(x.shape, strides)):
     shape += [n // s, s]
-  y = x.reshape(shape)
-  starts = []
-  for d in range(x.ndim):
     starts += [jnp.zeros((), jnp.int32), offsets[d]]
-  sizes = []
-  for n, s in zip(x.shape, strides):
     sizes += [n // s, 1]
-  return jax.lax.dynamic_slice(y, starts, sizes).reshape(
-      tuple(n // s for n, s in zip(x.shape, strides)))
+  spec = explicit_spec(x)
+  if spec is None:
+    y = x.reshape(shape)
+  else:  # an Explicit mesh: each axis's sharding goes to its major part
+    y = jax.lax.reshape(x, shape, out_sharding=jax.sharding.PartitionSpec(
+        *[e for axis in spec for e in (axis, None)]))
+  y = jax.lax.dynamic_slice(y, starts, sizes)
+  return jax.lax.squeeze(y, tuple(range(1, 2 * x.ndim, 2)))
+
+
+def explicit_spec(x: Any) -> Any:
+  """The PartitionSpec of ``x`` on an Explicit mesh axis, else None."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None or all(s is None for s in spec):
+    return None
+  return tuple(spec) + (None,) * (jnp.ndim(x) - len(spec))
 
 
 def strided_sample(x: jax.Array, max_n: int = SAMPLE_PER_LEAF) -> jax.Array:

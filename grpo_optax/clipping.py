@@ -45,6 +45,10 @@ def _leaf_sums(arrays: list[jax.Array]) -> list[jax.Array]:
   kernel instances is what the compile time of a many-leaf model grows with.
   """
   arrays = [x.astype(jnp.float32) for x in arrays]
+  if len(arrays) > 1:
+    # XLA's SPMD partitioner turns a variadic reduction of a sharded array
+    # into an all-gather of the partial sums; separate sums all-reduce.
+    return [jnp.sum(x) for x in arrays]
   zero = np.float32(0)
   return list(jax.lax.reduce(
       tuple(arrays), tuple(zero for _ in arrays),

@@ -4,7 +4,7 @@ Article 004 §3.2 sets ``layer.trainable = False`` for layers whose importance
 score falls below a threshold. As a gradient transformation this zeroes the
 updates of unimportant leaves for good; :func:`frozen_mask` exposes the
 decision so that a training step can also stop computing those gradients
-(``grpo_optax.training.frozen_step``), which is where compute is saved.
+(:func:`grpo_optax.training.frozen_train_step`), which is where compute is saved.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def freeze_below(
         * _common.strided_sample(p).astype(jnp.float32)))
                for g, p, i in zip(leaves, p_leaves, imp)]
     # Mean over the leaves that are still trainable: a frozen leaf's gradient
-    # may no longer be computed (frozen_step), so it must not drag the mean.
+    # may no longer be computed (frozen_train_step), so it must not drag the mean.
     active = [jnp.logical_not(f).astype(jnp.float32) for f in frozen]
     mean_imp = (sum((i / bc * a for i, a in zip(new_imp, active)),
                     jnp.zeros((), jnp.float32))

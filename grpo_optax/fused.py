@@ -69,7 +69,7 @@ class _Mask(NamedTuple):
   error_feedback: bool
   min_size: Any
   warmup_steps: Any
-  seed: int
+  seed: Any  # a Python int, or traced under optax.inject_hyperparams
   alpha: Any
   every: Any
   scale: Any
@@ -213,6 +213,13 @@ def clip_mask_adam(*, clip: Optional[_Clip], mask: Optional[_Mask],
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     g_leaves, treedef = jax.tree.flatten(updates)
+    for g in g_leaves:
+      if not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
+        raise TypeError(
+            f"grpo: gradients must be floating-point or complex, got a leaf "
+            f"of dtype {jnp.result_type(g)} (shape {jnp.shape(g)}); leave "
+            "integer arrays out of the optimized tree (e.g. "
+            "nnx.Optimizer(..., wrt=nnx.Param) or optax.masked)")
     p_leaves = None
     if clip is not None and clip.l2 is not None:
       _common.require_params(params, "grpo", "when l2 is on")

@@ -348,7 +348,7 @@ def _core(max_norm, l2, sparsify, fraction, error_feedback, min_size,
   if sparsify is not None:
     mask = fused_lib._Mask(  # pylint: disable=protected-access
         kind=sparsify, fraction=f32(fraction), error_feedback=error_feedback,
-        min_size=min_size, warmup_steps=warmup_steps, seed=int(seed),
+        min_size=min_size, warmup_steps=warmup_steps, seed=seed,
         alpha=f32(alpha), every=every, scale=f32(threshold_scale))
   adam = fused_lib._Adam(  # pylint: disable=protected-access
       b1=f32(b1), b2=f32(b2), eps=f32(eps), eps_root=f32(eps_root),

@@ -139,12 +139,13 @@ def sample_size(n: int) -> int:
                                      math.ceil(_SAMPLE_RATE * n))))
 
 
-def _random_offsets(seed: int, count: jax.Array, strides_list) -> list[Any]:
+def _random_offsets(seed: Any, count: jax.Array, strides_list) -> list[Any]:
   """One draw per step for every axis of every sampled leaf."""
   n_axes = sum(len(s) for s in strides_list)
   if not n_axes:
     return [None] * len(strides_list)
-  bits = jax.random.bits(jax.random.fold_in(jax.random.PRNGKey(seed), count),
+  key = jax.random.PRNGKey(jnp.asarray(seed, jnp.uint32))
+  bits = jax.random.bits(jax.random.fold_in(key, count),
                          (n_axes,), jnp.uint32)
   out, j = [], 0
   for strides in strides_list:
@@ -354,11 +355,13 @@ def _exact_mask(score: jax.Array, fraction, static_k: Optional[int]):
 
 
 def _warn_if_sharded(x: jax.Array) -> None:
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  spec = getattr(sharding, "spec", None)
+  if _common.explicit_spec(x) is not None:
+    raise ValueError(
+        "top_k_mask(method='exact') sorts whole leaves and cannot take a "
+        f"leaf sharded on an Explicit mesh (spec {_common.explicit_spec(x)});"
+        " use method='sampled' (grpo's default) for sharded parameters")
   mesh = jax.sharding.get_abstract_mesh()
-  if (spec is not None and any(s is not None for s in spec)) or (
-      mesh is not None and not mesh.empty and x.size > 1):
+  if mesh is not None and not mesh.empty and x.size > 1:
     warnings.warn(
         "top_k_mask(method='exact') sorts a whole leaf: on a sharded leaf XLA "
         "gathers it onto every device. Use method='sampled' for sharded "
@@ -477,10 +480,7 @@ def top_k_mask(
                       high_inclusive=False)
   static_int("min_size", min_size, 0)
   static_warmup = static_int("warmup_steps", warmup_steps, 0)
-  seed = static_int("seed", seed, 0)
-  if seed is None:
-    raise TypeError("seed must be a Python int (pass static_args=('seed',) to"
-                    " optax.inject_hyperparams)")
+  static_int("seed", seed, 0)
   if not isinstance(error_feedback, bool):
     raise TypeError("error_feedback must be a bool")
   static_fraction = (_common.concrete_value(fraction) if static_warmup == 0
