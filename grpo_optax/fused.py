@@ -90,7 +90,7 @@ class _Adam(NamedTuple):
 def _init_mask(params, cfg: _Mask):
   acc = optax.tree.zeros_like(params) if cfg.error_feedback else None
   zeros = tuple(jnp.zeros([], jnp.float32) for _ in jax.tree.leaves(params))
-  one = jnp.ones([], jnp.float32)
+  one = None if cfg.error_feedback else jnp.ones([], jnp.float32)
   if cfg.kind == "topk":
     return sparsify.TopKMaskState(
         count=jnp.zeros([], jnp.int32), accumulator=acc, thresholds=zeros,
@@ -130,21 +130,26 @@ def _mask_phase(x_leaves, cfg: Optional[_Mask], state, treedef):
     a = sparsify.accumulate(x, acc, th).astype(x.dtype)
     a_leaves.append(a if acc is None else a.astype(acc.dtype))
   dense = [sparsify.dense_leaf(x.size, cfg.min_size) for x in x_leaves]
+  sizes = [a.size for a in a_leaves]
+  kept = None
   if cfg.kind == "topk":
     frac = sparsify.warmup_fraction(cfg.fraction, cfg.warmup_steps, t)
-    thr = sparsify.topk_leaf_thresholds(a_leaves, dense, frac, cfg.seed, t)
+    thr, kept = sparsify.topk_leaf_thresholds(
+        a_leaves, dense, frac, cfg.seed, t, with_kept=not cfg.error_feedback)
     extra = {"frequency": None}
   else:
     thr, tau = sparsify.threshold_leaf_thresholds(
         a_leaves, dense, list(state.tau), cfg.alpha, t, cfg.every, cfg.scale)
     extra = {"tau": tuple(tau)}
-  kept = [sparsify.sampled_kept(a, th) for a, th in zip(a_leaves, thr)]
+    if not cfg.error_feedback:
+      kept = [sparsify.sampled_kept(a, th) for a, th in zip(a_leaves, thr)]
   new_state = type(state)(
       count=optax.safe_increment(t),
       accumulator=(treedef.unflatten(a_leaves) if cfg.error_feedback
                    else None),
       thresholds=tuple(jnp.asarray(th, jnp.float32) for th in thr),
-      kept_fraction=sparsify.size_weighted(kept, [a.size for a in a_leaves]),
+      kept_fraction=(None if kept is None
+                     else sparsify.size_weighted(kept, sizes)),
       **extra)
   return a_leaves, thr, new_state
 

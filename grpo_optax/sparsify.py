@@ -139,24 +139,30 @@ def sample_size(n: int) -> int:
                                      math.ceil(_SAMPLE_RATE * n))))
 
 
+_OFFSET_BITS = 8  # one random word per axis position (axes >= 8 wrap)
+
+
 def _random_offsets(seed: Any, count: jax.Array, strides_list) -> list[Any]:
-  """One draw per step for every axis of every sampled leaf."""
-  n_axes = sum(len(s) for s in strides_list)
-  if not n_axes:
+  """One draw per step; axis ``d`` of every leaf reads word ``d mod 8``.
+
+  A leaf's offsets depend on its shape and the draw only (not on which
+  other leaves are sampled), and leaves of one shape share them, which keeps
+  the compiled program small (XLA merges the identical scalar arithmetic).
+  """
+  if not any(any(s > 1 for s in st) for st in strides_list):
     return [None] * len(strides_list)
   key = jax.random.PRNGKey(jnp.asarray(seed, jnp.uint32))
-  bits = jax.random.bits(jax.random.fold_in(key, count),
-                         (n_axes,), jnp.uint32)
-  out, j = [], 0
+  bits = jax.random.bits(jax.random.fold_in(key, count), (_OFFSET_BITS,),
+                         jnp.uint32)
+  out = []
   for strides in strides_list:
-    offs = [(bits[j + d] % jnp.uint32(s)).astype(jnp.int32)
+    offs = [(bits[d % _OFFSET_BITS] % jnp.uint32(s)).astype(jnp.int32)
             for d, s in enumerate(strides)]
-    j += len(strides)
     out.append(None if all(s == 1 for s in strides) else offs)
   return out
 
 
-def random_samples(scores: list[jax.Array], seed: int,
+def random_samples(scores: list[jax.Array], seed: Any,
                    count: jax.Array) -> list[jax.Array]:
   """A random grid of ``max(1024, n/100)`` (at most 65,536) entries per leaf.
 
@@ -171,50 +177,62 @@ def random_samples(scores: list[jax.Array], seed: int,
           for x, s, o in zip(scores, strides, offsets)]
 
 
-def bisect_thresholds(samples: list[jax.Array], fraction) -> list[jax.Array]:
+def bisect_thresholds(samples: list[jax.Array], fraction,
+                      with_kept: bool = False):
   """For each sample, the value above which ``fraction`` of it lies.
 
   24 bisection steps between the sample's min and max, counting entries
   ``>= mid``: O(m) per step and no sort. All samples share one loop whose
-  carry holds one ``(lo, hi)`` pair per sample, and each sample is counted by
-  its own reduction (over all of its axes, so a sharded sample is counted
-  shard by shard plus a scalar all-reduce): the compiled kernels depend on
-  the samples' shapes only, so XLA compiles one per shape, not one per leaf.
+  carry holds one ``(lo, hi, count at lo)`` triple per sample, and each
+  sample is counted by its own reduction (over all of its axes, so a sharded
+  sample is counted shard by shard plus a scalar all-reduce): the compiled
+  kernels depend on the samples' shapes only, so XLA compiles one per
+  shape, not one per leaf.
 
   Args:
     samples: float arrays of any shape.
     fraction: the fraction to keep, in (0, 1] (may be traced).
+    with_kept: also return each sample's kept fraction at its threshold.
 
   Returns:
     One scalar threshold per sample (0, i.e. keep every non-zero entry, when
-    ``fraction >= 1``).
+    ``fraction >= 1``); with ``with_kept``, ``(thresholds, kept fractions)``.
   """
   if not samples:
-    return []
+    return ([], []) if with_kept else []
   samples = [x.astype(jnp.float32) for x in samples]
   targets = [fraction * x.size for x in samples]
 
   def body(_, bounds):
     out = []
-    for x, target, (lo, hi) in zip(samples, targets, bounds):
+    for x, target, (lo, hi, c_lo) in zip(samples, targets, bounds):
       mid = 0.5 * (lo + hi)
-      keeps_enough = jnp.sum(x >= mid, dtype=jnp.float32) >= target
+      count = jnp.sum(x >= mid, dtype=jnp.float32)
+      keeps_enough = count >= target
       out.append((jnp.where(keeps_enough, mid, lo),
-                  jnp.where(keeps_enough, hi, mid)))
+                  jnp.where(keeps_enough, hi, mid),
+                  jnp.where(keeps_enough, count, c_lo)))
     return out
 
-  bounds = jax.lax.fori_loop(0, _BISECTION_STEPS, body,
-                             [(jnp.min(x), jnp.max(x)) for x in samples])
+  bounds = jax.lax.fori_loop(
+      0, _BISECTION_STEPS, body,
+      [(jnp.min(x), jnp.max(x), jnp.asarray(x.size, jnp.float32))
+       for x in samples])
   # Keeping everything (a warm-up's first step) must not drop the entries
   # that lie below the sample's minimum.
   keep_all = jnp.asarray(fraction) >= 1
-  return [jnp.where(keep_all, 0.0, lo) for lo, _ in bounds]
+  thresholds = [jnp.where(keep_all, 0.0, lo) for lo, _, _ in bounds]
+  if not with_kept:
+    return thresholds
+  return thresholds, [jnp.where(keep_all, 1.0, c / x.size)
+                      for (_, _, c), x in zip(bounds, samples)]
 
 
-def sampled_thresholds(abs_leaves: list[jax.Array], fraction, seed: int,
-                       count: jax.Array) -> list[jax.Array]:
+def sampled_thresholds(abs_leaves: list[jax.Array], fraction, seed: Any,
+                       count: jax.Array, with_kept: bool = False):
   """Per leaf, the threshold on ``|a|`` that keeps about ``fraction``."""
-  return bisect_thresholds(random_samples(abs_leaves, seed, count), fraction)
+  return bisect_thresholds(random_samples(abs_leaves, seed, count),
+                           fraction, with_kept)
 
 
 def ema_taus(abs_leaves: list[jax.Array], taus: list[jax.Array], alpha,
@@ -260,7 +278,11 @@ def _residual_tree(accumulator, thresholds):
 
 
 def _mask_metrics(state) -> dict[str, jax.Array]:
-  out = {"kept_fraction": state.kept_fraction}
+  kept = state.kept_fraction
+  if kept is None:
+    kept = jnp.where(state.count > 0, exact_kept_fraction(
+        state.accumulator, state.thresholds), 1.0)
+  out = {"kept_fraction": kept}
   res = state.residual
   if res is not None:
     out["residual_norm"] = jnp.sqrt(sum(
@@ -282,9 +304,10 @@ class TopKMaskState(NamedTuple):
   accumulator: Optional[optax.Updates]
   thresholds: tuple[jax.Array, ...]  # per-leaf float32 scalars, tree order
   frequency: Optional[optax.Updates]  # EMA of the kept indicator; None off
-  # shape=(), float32: kept / total at the last step (exact for the exact
-  # method, estimated on a grid of ~4,096 entries per leaf otherwise)
-  kept_fraction: jax.Array
+  # shape=(), float32: kept / total at the last step, estimated on the
+  # samples (exact for the exact method); None with error feedback, where
+  # metrics() reads it exactly from the accumulator
+  kept_fraction: Optional[jax.Array]
 
   @property
   def residual(self) -> Optional[optax.Updates]:
@@ -302,7 +325,8 @@ class EmaThresholdMaskState(NamedTuple):
   accumulator: Optional[optax.Updates]  # as in TopKMaskState
   thresholds: tuple[jax.Array, ...]  # per-leaf float32: scale * tau
   tau: tuple[jax.Array, ...]  # per-leaf float32 EMA thresholds, tree order
-  kept_fraction: jax.Array  # shape=(), float32, estimated on grid samples
+  # shape=(), float32, estimated on grid samples; None with error feedback
+  kept_fraction: Optional[jax.Array]
 
   @property
   def residual(self) -> Optional[optax.Updates]:
@@ -370,9 +394,11 @@ def _warn_if_sharded(x: jax.Array) -> None:
 
 def _score_masks(a_leaves, dense, frac, method, static_fraction, freq,
                  frequency_weight, seed, t):
-  # static_fraction: the kept fraction as a Python float when it is static
-  # (no warm-up, not traced), else None.
-  """Masks of the exact or frequency-weighted top-k (not a threshold on |a|)."""
+  """Masks of the exact or frequency-weighted top-k (not a threshold on |a|).
+
+  ``static_fraction``: the kept fraction as a Python float when it is static
+  (no warm-up, not traced), else None.
+  """
   keeps, kept = [], []
   for a, d, f in zip(a_leaves, dense, freq):
     if d is True:
@@ -498,7 +524,7 @@ def top_k_mask(
         thresholds=_scalars(params),
         frequency=(optax.tree.zeros_like(params, dtype=jnp.float32)
                    if use_frequency else None),
-        kept_fraction=jnp.ones([], jnp.float32))
+        kept_fraction=None if error_feedback else jnp.ones([], jnp.float32))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -512,9 +538,9 @@ def top_k_mask(
                 for g, acc, th in zip(leaves, accs, state.thresholds)]
     dense = [dense_leaf(g.size, min_size) for g in leaves]
     if by_threshold:
-      thr = topk_leaf_thresholds(a_leaves, dense, frac, seed, t)
+      thr, kept = topk_leaf_thresholds(a_leaves, dense, frac, seed, t,
+                                       with_kept=not error_feedback)
       keeps = [keep_mask(a, th.astype(a.dtype)) for a, th in zip(a_leaves, thr)]
-      kept = [sampled_kept(a, th) for a, th in zip(a_leaves, thr)]
     else:
       keeps, kept = _score_masks(a_leaves, dense, frac, method,
                                  static_fraction, freq, frequency_weight,
@@ -536,7 +562,8 @@ def top_k_mask(
         accumulator=treedef.unflatten(new_acc) if error_feedback else None,
         thresholds=tuple(jnp.asarray(x, jnp.float32) for x in thr),
         frequency=new_freq,
-        kept_fraction=size_weighted(kept, [g.size for g in leaves]))
+        kept_fraction=(None if error_feedback and by_threshold
+                       else size_weighted(kept, [g.size for g in leaves])))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -551,15 +578,21 @@ def size_weighted(values: list[jax.Array], sizes: list[int]) -> jax.Array:
                  precision=jax.lax.Precision.HIGHEST)
 
 
-def topk_leaf_thresholds(a_leaves, dense, frac, seed, t) -> list[jax.Array]:
-  """Thresholds of the sampled top-k: 0 (keep all) on dense leaves."""
+def topk_leaf_thresholds(a_leaves, dense, frac, seed, t, with_kept=False):
+  """Thresholds of the sampled top-k: 0 (keep all) on dense leaves.
+
+  Returns ``(thresholds, kept)``: ``kept`` (per-leaf kept fractions of the
+  samples) is None unless ``with_kept``.
+  """
   masked = [i for i, d in enumerate(dense) if d is not True]
-  found = sampled_thresholds([jnp.abs(a_leaves[i]) for i in masked], frac,
-                             seed, t)
+  found, kept_found = sampled_thresholds(
+      [jnp.abs(a_leaves[i]) for i in masked], frac, seed, t, with_kept=True)
   thr = [jnp.zeros((), jnp.float32)] * len(a_leaves)
-  for i, th in zip(masked, found):
+  kept = [jnp.ones((), jnp.float32)] * len(a_leaves)
+  for i, th, k in zip(masked, found, kept_found):
     thr[i] = th if dense[i] is False else jnp.where(dense[i], 0.0, th)
-  return thr
+    kept[i] = k if dense[i] is False else jnp.where(dense[i], 1.0, k)
+  return thr, (kept if with_kept else None)
 
 
 # --------------------------------------------------------------------------
@@ -648,7 +681,7 @@ def ema_threshold_mask(
         accumulator=optax.tree.zeros_like(params) if error_feedback else None,
         thresholds=_scalars(params),
         tau=_scalars(params),
-        kept_fraction=jnp.ones([], jnp.float32))
+        kept_fraction=None if error_feedback else jnp.ones([], jnp.float32))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -665,7 +698,8 @@ def ema_threshold_mask(
     for a, th, acc in zip(a_leaves, thr, accs):
       keep = keep_mask(a, th.astype(a.dtype))
       outs.append(jnp.where(keep, a, jnp.zeros_like(a)))
-      kept.append(sampled_kept(a, th))
+      if not error_feedback:
+        kept.append(sampled_kept(a, th))
       if acc is not None:
         new_acc.append(a.astype(acc.dtype))
     return treedef.unflatten(outs), EmaThresholdMaskState(
@@ -673,6 +707,7 @@ def ema_threshold_mask(
         accumulator=treedef.unflatten(new_acc) if error_feedback else None,
         thresholds=tuple(thr),
         tau=tuple(tau),
-        kept_fraction=size_weighted(kept, [g.size for g in leaves]))
+        kept_fraction=(None if error_feedback
+                       else size_weighted(kept, [g.size for g in leaves])))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -35,6 +35,7 @@ STAGES = {
     "threshold": grpo_optax.ema_threshold_mask,
     "adaptive": grpo_optax.scale_by_nesterov_adam_rms,
     "variance": grpo_optax.scale_by_variance_lr,
+    "decay": optax.add_decayed_weights,
     "lr": optax.scale_by_learning_rate,
     "freeze": grpo_optax.freeze_below,
 }
@@ -53,7 +54,7 @@ WIRING = {
     "error_feedback": [("topk", "error_feedback"),
                        ("threshold", "error_feedback")],
     "frequency_weight": [("topk", "frequency_weight")],
-    "min_size": [("topk", "min_size")],
+    "min_size": [("topk", "min_size"), ("threshold", "min_size")],
     "sparsify_warmup_steps": [("topk", "warmup_steps")],
     "seed": [("topk", "seed")],
     "alpha": [("threshold", "alpha")],
@@ -68,6 +69,9 @@ WIRING = {
     "filter_decay": [("adaptive", "filter_decay")],
     "rms_bias_correction": [("adaptive", "rms_bias_correction")],
     "mu_dtype": [("adaptive", "mu_dtype")],
+    "nu_dtype": [("adaptive", "nu_dtype")],
+    "weight_decay": [("decay", "weight_decay")],
+    "weight_decay_mask": [("decay", "mask")],
     "variance_coef": [("variance", "coef")],
     "variance_decay": [("variance", "decay")],
     "variance_reduction": [("variance", "reduction")],
@@ -84,7 +88,8 @@ SWITCHES = ("importance", "sparsify", "adaptive", "importance_placement")
 # The seed defaults (the articles): grpo(**ARTICLE_DEFAULTS) must use exactly
 # these (grpo()'s own defaults were then chosen by measurement).
 SEED_DEFAULTS = dict(
-    learning_rate=1e-3, max_norm=1.0, l2=0.0, importance=True,
+    learning_rate=1e-3, max_norm=1.0, l2=None, weight_decay=None,
+    weight_decay_mask=None, nu_dtype=None, importance=True,
     importance_order=2, importance_decay=0.9, min_weight=0.1, max_weight=10.0,
     sparsify="topk", fraction=0.3, topk_method="sampled", error_feedback=True,
     frequency_weight=None, min_size=0, sparsify_warmup_steps=0, alpha=0.7,
@@ -112,12 +117,14 @@ GRID = {
         eps_root=1e-4, adam_weight=0.3, nesterov=False, filter_decay=0.6,
         variance_coef=0.5, variance_decay=0.9, variance_reduction="element",
         variance_normalize=True, freeze_threshold=0.5, freeze_decay=0.6,
-        freeze_warmup_steps=2),
+        freeze_warmup_steps=2, weight_decay=0.05,
+        weight_decay_mask={"big": True, "mid": False, "small": True}),
     "threshold": dict(
         learning_rate=0.02, max_norm=None, l2=1e-2, importance=True,
         importance_order=1,
         sparsify="threshold", alpha=0.4, every=2, threshold_scale=0.8,
         error_feedback=False, adam_weight=0.8, mu_dtype=jnp.bfloat16,
+        nu_dtype=jnp.bfloat16,
         variance_coef=2.0, variance_reduction="global", variance_eps=1e-3,
         variance_normalize=True,  # variance_eps acts only when normalising
         importance_placement="output", rms_bias_correction=True),
@@ -145,12 +152,13 @@ def explicit_stages(**overrides) -> list[tuple[str, optax.GradientTransformation
   """The stages of the preset chain, built from the wiring table."""
   kw = {**DEFAULTS, **overrides}
   on = {
-      "clip": kw["max_norm"] is not None or kw["l2"] != 0,
+      "clip": kw["max_norm"] is not None or kw["l2"] is not None,
       "importance": kw["importance"],
       "topk": kw["sparsify"] == "topk",
       "threshold": kw["sparsify"] == "threshold",
       "adaptive": kw["adaptive"],
       "variance": kw["variance_coef"] is not None,
+      "decay": kw["weight_decay"] is not None,
       "lr": True,
       "freeze": kw["freeze_threshold"] is not None,
   }

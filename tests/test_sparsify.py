@@ -161,13 +161,20 @@ def test_sampled_topk_zeros_carry_nothing():
   np.testing.assert_allclose(state.kept_fraction, 0.4, rtol=1e-6)
 
 
-def test_sampled_threshold_key_advances():
-  tx = grpo_optax.top_k_mask(0.3, method="sampled")
-  g = {"w": jnp.asarray(np.random.default_rng(0).normal(size=50_000), jnp.float32)}
-  s0 = tx.init(g)
-  _, s1 = tx.update(g, s0)
-  assert not np.array_equal(s0.key, s1.key)
-  assert s1.key.dtype == jnp.uint32
+def test_sampled_positions_move_every_step():
+  x = jnp.arange(200 * 256, dtype=jnp.float32).reshape(200, 256)
+  samples = [grpo_optax.sparsify.random_samples([x], 0, jnp.asarray(t))[0]
+             for t in range(4)]
+  # A grid of ~1,024 entries, taken at other offsets at every step, and
+  # always a grid (constant strides along each axis).
+  assert 512 <= samples[0].size <= 2048
+  assert len({tuple(np.asarray(s).ravel()[:3]) for s in samples}) > 1
+  for s in samples:
+    rows = np.diff(np.asarray(s) // 256, axis=0)
+    assert np.all(rows == rows[0, 0])
+  # Another seed, other positions.
+  other = grpo_optax.sparsify.random_samples([x], 1, jnp.asarray(0))[0]
+  assert not np.array_equal(other, samples[0])
 
 
 def test_warmup_ramps_from_dense_to_fraction():

@@ -76,7 +76,9 @@ def _flag_type(default: Any) -> Callable[[str], Any]:
 def grpo_knobs() -> dict[str, Any]:
   """The keyword-only parameters of ``grpo_optax.grpo`` and their defaults."""
   params = inspect.signature(grpo_optax.grpo).parameters.values()
-  return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
+  # A tree-valued keyword has no command-line form.
+  return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY
+          and p.name != "weight_decay_mask"}
 
 
 def add_optimizer_flags(parser: argparse.ArgumentParser,
