@@ -217,6 +217,35 @@ def explicit_spec(x: Any) -> Any:
   return tuple(spec) + (None,) * (jnp.ndim(x) - len(spec))
 
 
+def leaf_scalars(params: Any, value: Any = 0.0, dtype: Any = jnp.float32):
+  """One scalar per leaf of ``params``, as one ``(num_leaves,)`` vector.
+
+  A vector, not a tree shaped like the params, so that sharding recipes
+  (``optax.tree.map_params``) treat it as a non-param leaf and replicate it.
+  """
+  return jnp.full((len(jax.tree.leaves(params)),), value, dtype)
+
+
+def unstack(vector: jax.Array) -> list[jax.Array]:
+  """The per-leaf scalars of a :func:`leaf_scalars` vector.
+
+  Behind an optimization barrier: a leaf's kernels then read their own
+  scalar instead of fusing a slice of the shared vector (which would make
+  every leaf's kernels distinct and multiply XLA's compile time).
+  """
+  parts = [vector[i] for i in range(vector.shape[0])]
+  return list(jax.lax.optimization_barrier(parts)) if parts else []
+
+
+def stack(values: list[Any], dtype: Any = jnp.float32) -> jax.Array:
+  """Per-leaf scalars into one vector, behind an optimization barrier (XLA
+  would otherwise fuse every leaf's reduction into one stacking kernel)."""
+  if not values:
+    return jnp.zeros((0,), dtype)
+  values = [jnp.asarray(v, dtype) for v in values]
+  return jnp.stack(jax.lax.optimization_barrier(values))
+
+
 def strided_sample(x: jax.Array, max_n: int = SAMPLE_PER_LEAF) -> jax.Array:
   """A fixed grid of at most about ``max_n`` entries of ``x`` (any shape).
 

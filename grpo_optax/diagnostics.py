@@ -118,7 +118,8 @@ def frozen_mask(opt_state, like: Any = None) -> Any:
     opt_state: an optimizer state containing exactly one
       :class:`~grpo_optax.FreezeBelowState` (possibly wrapped).
     like: the params (or any tree of their structure); the result then has
-      that structure. Without it, a tuple in the params' leaf order.
+      that structure. Without it, a ``(num_leaves,)`` bool vector in the
+      params' leaf order.
 
   Returns:
     Boolean scalars (``True`` = frozen), for
@@ -135,7 +136,8 @@ def frozen_mask(opt_state, like: Any = None) -> Any:
   frozen = states[0].frozen
   if like is None:
     return frozen
-  return jax.tree.unflatten(jax.tree.structure(like), list(frozen))
+  return jax.tree.unflatten(jax.tree.structure(like),
+                            [frozen[i] for i in range(frozen.shape[0])])
 
 
 def importance_converged(opt_state, std_below: float = 0.05) -> jax.Array:

@@ -21,24 +21,22 @@ from grpo_optax import _common
 class FreezeBelowState(NamedTuple):
   """State of :func:`freeze_below`.
 
-  ``importance`` and ``frozen`` hold one scalar per parameter leaf, as flat
-  tuples in the params' leaf order (not trees shaped like the params, so
-  that sharding recipes such as ``optax.tree.map_params`` replicate them).
+  ``importance`` and ``frozen`` hold one scalar per parameter leaf, as
+  ``(num_leaves,)`` vectors in the params' leaf order (not trees shaped like
+  the params, so that sharding recipes such as ``optax.tree.map_params``
+  replicate them).
   """
 
   count: jax.Array  # shape=(), dtype=int32
-  importance: tuple[jax.Array, ...]  # per-leaf float32: EMA of mean |g * p|
-  frozen: tuple[jax.Array, ...]  # per-leaf bool scalars
+  importance: jax.Array  # shape=(num_leaves,), float32: EMA of mean |g p|
+  frozen: jax.Array  # shape=(num_leaves,), bool
 
   def metrics(self) -> dict[str, jax.Array]:
-    n = len(self.frozen)
-    k = sum((f.astype(jnp.int32) for f in self.frozen),
-            jnp.zeros((), jnp.int32))
+    n = self.frozen.shape[0]
+    k = jnp.sum(self.frozen, dtype=jnp.int32)
     return {"frozen_leaves": k,
             "frozen_fraction": k.astype(jnp.float32) / max(n, 1),
-            "importance": (jnp.stack([jnp.asarray(i, jnp.float32)
-                                      for i in self.importance]) if n
-                           else jnp.zeros((0,), jnp.float32))}
+            "importance": self.importance.astype(jnp.float32)}
 
 
 def freeze_below(
@@ -95,9 +93,8 @@ def freeze_below(
   def init_fn(params):
     return FreezeBelowState(
         count=jnp.zeros([], jnp.int32),
-        importance=tuple(jnp.zeros([], jnp.float32)
-                         for _ in jax.tree.leaves(params)),
-        frozen=tuple(jnp.zeros([], bool) for _ in jax.tree.leaves(params)))
+        importance=_common.leaf_scalars(params),
+        frozen=_common.leaf_scalars(params, False, bool))
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -107,7 +104,8 @@ def freeze_below(
     t = state.count
     leaves, treedef = jax.tree.flatten(updates)
     p_leaves = treedef.flatten_up_to(params)
-    imp, frozen = list(state.importance), list(state.frozen)
+    imp = _common.unstack(state.importance)
+    frozen = _common.unstack(state.frozen)
     if len(imp) != len(leaves):
       raise ValueError(f"freeze_below: the state was built for {len(imp)} "
                        f"leaves but the updates have {len(leaves)}")
@@ -129,7 +127,7 @@ def freeze_below(
     outs = [jnp.where(f, jnp.zeros_like(g), g) for g, f in zip(leaves, new_frozen)]
     return treedef.unflatten(outs), FreezeBelowState(
         count=optax.safe_increment(t),
-        importance=tuple(i.astype(jnp.float32) for i in new_imp),
-        frozen=tuple(new_frozen))
+        importance=_common.stack(new_imp),
+        frozen=_common.stack(new_frozen, bool))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

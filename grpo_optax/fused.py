@@ -89,7 +89,7 @@ class _Adam(NamedTuple):
 
 def _init_mask(params, cfg: _Mask):
   acc = optax.tree.zeros_like(params) if cfg.error_feedback else None
-  zeros = tuple(jnp.zeros([], jnp.float32) for _ in jax.tree.leaves(params))
+  zeros = _common.leaf_scalars(params)
   one = None if cfg.error_feedback else jnp.ones([], jnp.float32)
   if cfg.kind == "topk":
     return sparsify.TopKMaskState(
@@ -126,7 +126,7 @@ def _mask_phase(x_leaves, cfg: Optional[_Mask], state, treedef):
   accs = (treedef.flatten_up_to(state.accumulator) if cfg.error_feedback
           else [None] * len(x_leaves))
   a_leaves = []
-  for x, acc, th in zip(x_leaves, accs, state.thresholds):
+  for x, acc, th in zip(x_leaves, accs, _common.unstack(state.thresholds)):
     a = sparsify.accumulate(x, acc, th).astype(x.dtype)
     a_leaves.append(a if acc is None else a.astype(acc.dtype))
   dense = [sparsify.dense_leaf(x.size, cfg.min_size) for x in x_leaves]
@@ -139,15 +139,16 @@ def _mask_phase(x_leaves, cfg: Optional[_Mask], state, treedef):
     extra = {"frequency": None}
   else:
     thr, tau = sparsify.threshold_leaf_thresholds(
-        a_leaves, dense, list(state.tau), cfg.alpha, t, cfg.every, cfg.scale)
-    extra = {"tau": tuple(tau)}
+        a_leaves, dense, _common.unstack(state.tau), cfg.alpha, t, cfg.every,
+        cfg.scale)
+    extra = {"tau": _common.stack(tau)}
     if not cfg.error_feedback:
       kept = [sparsify.sampled_kept(a, th) for a, th in zip(a_leaves, thr)]
   new_state = type(state)(
       count=optax.safe_increment(t),
       accumulator=(treedef.unflatten(a_leaves) if cfg.error_feedback
                    else None),
-      thresholds=tuple(jnp.asarray(th, jnp.float32) for th in thr),
+      thresholds=_common.stack(thr),
       kept_fraction=(None if kept is None
                      else sparsify.size_weighted(kept, sizes)),
       **extra)

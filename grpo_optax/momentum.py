@@ -57,9 +57,10 @@ def moment_dtype(param_dtype, requested) -> Any:
 
 def moments_like(params, dtype) -> Any:
   """Zero moments shaped like ``params`` in :func:`moment_dtype`."""
+  # zeros_like keeps a sharded param's sharding (on Explicit meshes too).
   return jax.tree.map(
-      lambda p: jnp.zeros(jnp.shape(p), moment_dtype(jnp.result_type(p), dtype)),
-      params)
+      lambda p: jnp.zeros_like(p, dtype=moment_dtype(jnp.result_type(p),
+                                                     dtype)), params)
 
 
 def scale_by_nesterov_adam_rms(

@@ -260,7 +260,7 @@ def sampled_kept(a: jax.Array, threshold: jax.Array) -> jax.Array:
 def exact_kept_fraction(accumulator, thresholds) -> jax.Array:
   """Exact kept fraction of the last step, from an accumulator state."""
   kept, total = jnp.zeros((), jnp.float32), 0
-  for a, th in zip(jax.tree.leaves(accumulator), thresholds):
+  for a, th in zip(jax.tree.leaves(accumulator), _common.unstack(thresholds)):
     n = jnp.sum(keep_mask(a, th.astype(a.dtype)) & (th >= 0),
                 dtype=jnp.float32)
     kept = kept + jnp.where(th >= 0, n, a.size - jnp.sum(a != 0,
@@ -273,8 +273,8 @@ def _residual_tree(accumulator, thresholds):
   if accumulator is None:
     return None
   leaves, treedef = jax.tree.flatten(accumulator)
-  return treedef.unflatten([residual_of(a, t)
-                            for a, t in zip(leaves, thresholds)])
+  return treedef.unflatten([residual_of(a, t) for a, t in zip(
+      leaves, _common.unstack(thresholds))])
 
 
 def _mask_metrics(state) -> dict[str, jax.Array]:
@@ -302,7 +302,7 @@ class TopKMaskState(NamedTuple):
   # Error feedback (None when off): the last step's a = g + r, or for leaves
   # whose threshold is < 0, the residual itself.
   accumulator: Optional[optax.Updates]
-  thresholds: tuple[jax.Array, ...]  # per-leaf float32 scalars, tree order
+  thresholds: jax.Array  # shape=(num_leaves,), float32, tree order
   frequency: Optional[optax.Updates]  # EMA of the kept indicator; None off
   # shape=(), float32: kept / total at the last step, estimated on the
   # samples (exact for the exact method); None with error feedback, where
@@ -323,8 +323,8 @@ class EmaThresholdMaskState(NamedTuple):
 
   count: jax.Array  # shape=(), dtype=int32
   accumulator: Optional[optax.Updates]  # as in TopKMaskState
-  thresholds: tuple[jax.Array, ...]  # per-leaf float32: scale * tau
-  tau: tuple[jax.Array, ...]  # per-leaf float32 EMA thresholds, tree order
+  thresholds: jax.Array  # shape=(num_leaves,), float32: scale * tau
+  tau: jax.Array  # shape=(num_leaves,), float32 EMA thresholds, tree order
   # shape=(), float32, estimated on grid samples; None with error feedback
   kept_fraction: Optional[jax.Array]
 
@@ -335,22 +335,19 @@ class EmaThresholdMaskState(NamedTuple):
 
   def metrics(self) -> dict[str, jax.Array]:
     out = _mask_metrics(self)
-    out["tau_mean"] = (sum(self.tau) / len(self.tau) if self.tau
+    out["tau_mean"] = (jnp.mean(self.tau) if self.tau.size
                        else jnp.zeros((), jnp.float32))
     return out
 
 
-def _scalars(params, value=0.0) -> tuple[jax.Array, ...]:
-  # Per-leaf scalars are a flat tuple, not a tree shaped like params, so
-  # sharding recipes (optax.tree.map_params) replicate them.
-  return tuple(jnp.asarray(value, jnp.float32)
-               for _ in jax.tree.leaves(params))
+def _scalars(params, value=0.0) -> jax.Array:
+  return _common.leaf_scalars(params, value)
 
 
 def _check_leaves(who, state_thresholds, leaves):
-  if len(state_thresholds) != len(leaves):
+  if state_thresholds.shape[0] != len(leaves):
     raise ValueError(
-        f"{who}: the state was built for {len(state_thresholds)} leaves but"
+        f"{who}: the state was built for {state_thresholds.shape[0]} leaves but"
         f" the updates have {len(leaves)}")
 
 
@@ -534,8 +531,8 @@ def top_k_mask(
     accs = _flat_or_none(state.accumulator, treedef, len(leaves))
     freq = _flat_or_none(state.frequency, treedef, len(leaves))
     frac = warmup_fraction(fraction, warmup_steps, t)
-    a_leaves = [accumulate(g, acc, th).astype(g.dtype)
-                for g, acc, th in zip(leaves, accs, state.thresholds)]
+    a_leaves = [accumulate(g, acc, th).astype(g.dtype) for g, acc, th in zip(
+        leaves, accs, _common.unstack(state.thresholds))]
     dense = [dense_leaf(g.size, min_size) for g in leaves]
     if by_threshold:
       thr, kept = topk_leaf_thresholds(a_leaves, dense, frac, seed, t,
@@ -560,7 +557,7 @@ def top_k_mask(
     return treedef.unflatten(outs), TopKMaskState(
         count=optax.safe_increment(t),
         accumulator=treedef.unflatten(new_acc) if error_feedback else None,
-        thresholds=tuple(jnp.asarray(x, jnp.float32) for x in thr),
+        thresholds=_common.stack(thr),
         frequency=new_freq,
         kept_fraction=(None if error_feedback and by_threshold
                        else size_weighted(kept, [g.size for g in leaves])))
@@ -658,7 +655,7 @@ def ema_threshold_mask(
     >>> g = {"w": jnp.array([0.1, -3.0, 2.0, 0.5])}
     >>> out, state = tx.update(g, tx.init(g))
     >>> out["w"], state.tau
-    (Array([ 0., -3.,  2.,  0.], dtype=float32), (Array(1.4, dtype=float32),))
+    (Array([ 0., -3.,  2.,  0.], dtype=float32), Array([1.4], dtype=float32))
 
   References:
     Lin et al., `Deep Gradient Compression
@@ -689,11 +686,12 @@ def ema_threshold_mask(
     leaves, treedef = jax.tree.flatten(updates)
     _check_leaves("ema_threshold_mask", state.tau, leaves)
     accs = _flat_or_none(state.accumulator, treedef, len(leaves))
-    a_leaves = [accumulate(g, acc, th).astype(g.dtype)
-                for g, acc, th in zip(leaves, accs, state.thresholds)]
+    a_leaves = [accumulate(g, acc, th).astype(g.dtype) for g, acc, th in zip(
+        leaves, accs, _common.unstack(state.thresholds))]
     dense = [dense_leaf(g.size, min_size) for g in leaves]
-    thr, tau = threshold_leaf_thresholds(a_leaves, dense, list(state.tau),
-                                         alpha, t, every, scale)
+    thr, tau = threshold_leaf_thresholds(a_leaves, dense,
+                                         _common.unstack(state.tau), alpha, t,
+                                         every, scale)
     outs, new_acc, kept = [], [], []
     for a, th, acc in zip(a_leaves, thr, accs):
       keep = keep_mask(a, th.astype(a.dtype))
@@ -705,8 +703,8 @@ def ema_threshold_mask(
     return treedef.unflatten(outs), EmaThresholdMaskState(
         count=optax.safe_increment(t),
         accumulator=treedef.unflatten(new_acc) if error_feedback else None,
-        thresholds=tuple(thr),
-        tau=tuple(tau),
+        thresholds=_common.stack(thr),
+        tau=_common.stack(tau),
         kept_fraction=(None if error_feedback
                        else size_weighted(kept, [g.size for g in leaves])))
 
