@@ -66,12 +66,20 @@ AXIS_TYPES = list(bench.AXIS_TYPES)
 MAIN_CONTEXTS = [("auto", False), ("explicit", True)]
 OTHER_CONTEXTS = [("auto", True), ("explicit", False)]
 GRID = ([(m, c) for m in MODES for c in MAIN_CONTEXTS]
-        + [(m, c) for m in ("dense", "topk") for c in OTHER_CONTEXTS])
+        + [(m, c) for m in ("adam", "dense", "topk") for c in OTHER_CONTEXTS])
 STEPS = 3
 
 
 def _ctx_id(ctx):
   return ctx[0] + ("-set_mesh" if ctx[1] else "")
+
+
+def _tiered(cases, fast, ids=None):
+  """pytest params: those whose id is in ``fast`` run in the fast tier, the
+  others are marked slow (compiling each mode on each mesh takes seconds)."""
+  ids = ids or ["-".join(map(str, c)) for c in cases]
+  return [pytest.param(*c, id=i, marks=() if i in fast else pytest.mark.slow)
+          for c, i in zip(cases, ids)]
 
 
 def _tx(name, lr=None):
@@ -184,8 +192,8 @@ def _trajectory(name, axis_type=None, with_mesh=True):
 # -- (a) it runs, (c) it keeps the params' shardings -------------------------
 
 
-@pytest.mark.parametrize("mode,ctx", GRID,
-                         ids=[f"{m}-{_ctx_id(c)}" for m, c in GRID])
+@pytest.mark.parametrize("mode,ctx", _tiered(
+    GRID, {"adam-auto", "dense-explicit-set_mesh", "topk-explicit-set_mesh"}, [f"{m}-{_ctx_id(c)}" for m, c in GRID]))
 def test_update_runs_and_keeps_the_params_shardings(mode, ctx):
   start, updates, states, params = _trajectory(mode, *ctx)
   # Adam's mu and nu at least, in every mode.
@@ -220,8 +228,9 @@ def adam_traffic():
 COLLECTIVES_GRID = [(m, c) for m, c in GRID if m != "adam"]
 
 
-@pytest.mark.parametrize("mode,ctx", COLLECTIVES_GRID,
-                         ids=[f"{m}-{_ctx_id(c)}" for m, c in COLLECTIVES_GRID])
+@pytest.mark.parametrize("mode,ctx", _tiered(
+    COLLECTIVES_GRID, {"topk-auto", "topk-explicit-set_mesh"},
+    [f"{m}-{_ctx_id(c)}" for m, c in COLLECTIVES_GRID]))
 def test_update_has_no_all_gather_and_scalar_sized_collectives(
     mode, ctx, adam_traffic):
   """On the benchmark's 4.2M-parameter layout (compiled, not run)."""
@@ -259,7 +268,8 @@ def _exact_topk_outcome(params, grads):
                  if issubclass(w.category, UserWarning)]
 
 
-@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+@pytest.mark.parametrize("axis_type", _tiered([("auto",), ("explicit",)],
+                                              {"auto"}))
 def test_exact_topk_warns_or_refuses_on_a_sharded_leaf(axis_type):
   mesh = bench.make_mesh(axis_type)
   shardings = _shardings(mesh)
@@ -272,6 +282,7 @@ def test_exact_topk_warns_or_refuses_on_a_sharded_leaf(axis_type):
       f"naming 'exact' ({error!r}) nor warned ({messages})")
 
 
+@pytest.mark.slow
 def test_exact_topk_is_silent_on_one_device():
   device = jax.devices()[0]
   params = {k: jax.device_put(v, device) for k, v in _values(0).items()}
@@ -288,8 +299,8 @@ MESHES = {"auto": False, "explicit": True}
 DENSE = ("adam", "dense", "article_dense", "freeze_dense")
 
 
-@pytest.mark.parametrize("axis_type", AXIS_TYPES)
-@pytest.mark.parametrize("mode", DENSE)
+@pytest.mark.parametrize("mode,axis_type", _tiered(
+    [(m, a) for m in DENSE for a in AXIS_TYPES], {"dense-explicit"}))
 def test_dense_sharded_updates_equal_unsharded(mode, axis_type):
   _, ref, ref_states, _ = _trajectory(mode)
   _, got, states, _ = _trajectory(mode, axis_type, MESHES[axis_type])
@@ -307,8 +318,8 @@ def test_dense_sharded_updates_equal_unsharded(mode, axis_type):
                                  atol=1e-7, err_msg=key)
 
 
-@pytest.mark.parametrize("axis_type", AXIS_TYPES)
-@pytest.mark.parametrize("mode", MASKED)
+@pytest.mark.parametrize("mode,axis_type", _tiered(
+    [(m, a) for m in MASKED for a in AXIS_TYPES], {"topk-explicit"}))
 def test_masked_sharded_kept_fraction_matches_unsharded(mode, axis_type):
   ref = _metric(_trajectory(mode)[2][-1], "kept")
   got = _metric(_trajectory(mode, axis_type, MESHES[axis_type])[2][-1],
@@ -319,8 +330,9 @@ def test_masked_sharded_kept_fraction_matches_unsharded(mode, axis_type):
     assert abs(got - 0.3) <= 0.05, (mode, got)
 
 
-@pytest.mark.parametrize("axis_type", AXIS_TYPES)
-@pytest.mark.parametrize("mode", ["mask_topk", "mask_threshold"])
+@pytest.mark.parametrize("mode,axis_type", _tiered(
+    [(m, a) for m in ("mask_topk", "mask_threshold") for a in AXIS_TYPES],
+    set()))
 def test_masked_error_feedback_loses_nothing_when_sharded(mode, axis_type):
   """sum_t g_t = sum_t (-u_t) + r_T: ||sum g + sum u|| is the residual norm
   that metrics() reports, and the kept fraction matches one device's."""
@@ -344,8 +356,9 @@ def test_masked_error_feedback_loses_nothing_when_sharded(mode, axis_type):
                                rtol=1e-6)
 
 
-@pytest.mark.parametrize("axis_type", AXIS_TYPES)
-@pytest.mark.parametrize("stage", ["top_k_mask", "ema_threshold_mask"])
+@pytest.mark.parametrize("stage,axis_type", _tiered(
+    [(m, a) for m in ("top_k_mask", "ema_threshold_mask") for a in AXIS_TYPES],
+    {"top_k_mask-auto"}))
 def test_mask_stage_on_sharded_leaves_loses_nothing(stage, axis_type):
   """The chain stages: sum_t out_t + residual_T == sum_t g_t on sharded
   leaves, out and residual keep the shardings, and no all-gather."""
@@ -385,8 +398,8 @@ def _recipe_shardings(tx, params, shardings, mesh):
       is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
-@pytest.mark.parametrize("axis_type", AXIS_TYPES)
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode,axis_type", _tiered(
+    [(m, a) for m in MODES for a in AXIS_TYPES], {"topk-auto"}))
 def test_map_params_recipe_lays_out_the_state(mode, axis_type):
   mesh = bench.make_mesh(axis_type)
   shardings = _shardings(mesh)
@@ -521,6 +534,7 @@ def _dp_loss(params, batch):
                    - y) ** 2)
 
 
+@pytest.mark.slow
 def test_data_parallel_step_with_fsdp_params_within_a_node():
   """FSDP within a node ("local"), the sparse exchange across ("node"): the
   params keep their FSDP shardings, and the steps equal those of the same
