@@ -11,7 +11,9 @@ state ``tx.init(params)`` builds from them, and the compiled HLO is read:
 
 * ``collective_bytes``: bytes each device sends per update under the ring
   model (:func:`grpo_optax.training.ring_traffic`), and the same as a
-  fraction of the parameter bytes held by one device;
+  fraction of the parameter bytes held by one device; ``result_bytes``: the
+  collectives' result sizes summed
+  (:func:`grpo_optax.training.collective_bytes`);
 * ``all_gathers``: number of all-gather ops (a whole leaf gathered);
 * ``temp_bytes``: ``compiled.memory_analysis().temp_size_in_bytes`` per
   device;
@@ -155,6 +157,7 @@ def measure(tx, params) -> dict[str, Any]:
       "compiles": True,
       "collective_bytes": traffic["total"],
       "collective_fraction": traffic["total"] / per_device,
+      "result_bytes": sum(size for _, size, _ in ops),
       "all_gathers": sum(1 for kind, _, _ in ops if kind == "all-gather"),
       "collectives": len(ops),
       "by_kind": {k: v for k, v in traffic.items() if k != "total" and v},
@@ -190,8 +193,8 @@ def run(quick: bool = False, names=None) -> dict[str, Any]:
 
 def _cell(r: dict[str, Any]) -> list[str]:
   if not r["compiles"]:
-    return ["fails", "-", "-", "-"]
-  return [f"{r['collective_bytes']:,.0f}",
+    return ["fails", "-", "-", "-", "-"]
+  return [f"{r['collective_bytes']:,.0f}", f"{r['result_bytes']:,}",
           f"{100 * r['collective_fraction']:.3f}%", str(r["all_gathers"]),
           f"{r['temp_bytes'] / 1e6:,.2f}"]
 
@@ -207,12 +210,14 @@ def markdown(report: dict[str, Any], command: str) -> str:
       f"{report['param_bytes_per_device']:,} parameter bytes per device).",
       "",
       "Collective B: bytes each device sends per update (ring model, from "
-      "the compiled HLO); % params: that over the parameter bytes one device"
-      " holds; temp MB: `memory_analysis().temp_size_in_bytes`.",
+      "the compiled HLO); result B: the collectives' result sizes summed "
+      "(`collective_bytes`); % params: collective B over the parameter bytes"
+      " one device holds; temp MB: `memory_analysis().temp_size_in_bytes` "
+      "(the update is not donated).",
       "",
-      "| optimizer | mesh | collective B | % params | all-gathers "
+      "| optimizer | mesh | collective B | result B | % params | all-gathers "
       "| temp MB |",
-      "|---|---|---|---|---|---|",
+      "|---|---|---|---|---|---|---|",
   ]
   errors = []
   for name, by_mesh in report["results"].items():
@@ -236,8 +241,9 @@ def main(argv=None) -> dict[str, Any]:
                       help="file name stem of the results")
   args = parser.parse_args(argv)
   report = run(quick=args.quick)
-  command = "python -m benchmarks.sharding" + (" --quick" if args.quick
-                                                else "")
+  command = "python -m benchmarks.sharding" + (
+      " --quick" if args.quick else "") + (
+          f" --name {args.name}" if args.name != "sharding" else "")
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
