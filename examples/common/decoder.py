@@ -33,6 +33,9 @@ class DecoderConfig:
     num_heads: attention heads.
     ffn: width of the feed-forward layer.
     out_vocab: size of the output layer (default ``vocab_size``).
+    relative_bias: add to the attention scores a learned per-head bias of
+      the distance ``q - k`` (zero at initialisation), so that a pattern
+      like "look 5 tokens back" is learned once for every position.
   """
 
   vocab_size: int
@@ -42,6 +45,7 @@ class DecoderConfig:
   num_heads: int = 4
   ffn: int = 256
   out_vocab: int | None = None
+  relative_bias: bool = True
 
   def __post_init__(self):
     for name in ("vocab_size", "max_length", "hidden", "num_layers",
@@ -57,8 +61,11 @@ class DecoderConfig:
 class CachedSelfAttention(nnx.Module):
   """Causal multi-head self-attention, with or without a KV cache."""
 
-  def __init__(self, hidden: int, num_heads: int, *, rngs: nnx.Rngs):
+  def __init__(self, hidden: int, num_heads: int, *, rngs: nnx.Rngs,
+               max_length: int | None = None):
     self.num_heads = num_heads
+    self.rel_bias = None if max_length is None else nnx.Param(
+        jnp.zeros((num_heads, max_length), jnp.float32))
     self.head_dim = hidden // num_heads
     self.qkv = nnx.LinearGeneral(hidden, (3, num_heads, self.head_dim),
                                  rngs=rngs)
@@ -78,7 +85,13 @@ class CachedSelfAttention(nnx.Module):
       cache = (k, v)
     k_pos = jnp.arange(k.shape[1])
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(self.head_dim)
-    scores = jnp.where(k_pos[None, :] <= q_pos[:, None], scores, -jnp.inf)
+    distance = q_pos[:, None] - k_pos[None, :]
+    if self.rel_bias is not None:
+      bias = jnp.take(self.rel_bias[...], jnp.clip(distance, 0,
+                                                   self.rel_bias.shape[1] - 1),
+                      axis=1)
+      scores = scores + bias[None]
+    scores = jnp.where(distance >= 0, scores, -jnp.inf)
     p = jax.nn.softmax(scores, axis=-1)
     return self.out(jnp.einsum("bhqk,bkhd->bqhd", p, v)), cache
 
@@ -88,8 +101,9 @@ class Block(nnx.Module):
 
   def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
     self.ln1 = nnx.LayerNorm(config.hidden, rngs=rngs)
-    self.attn = CachedSelfAttention(config.hidden, config.num_heads,
-                                    rngs=rngs)
+    self.attn = CachedSelfAttention(
+        config.hidden, config.num_heads, rngs=rngs,
+        max_length=config.max_length if config.relative_bias else None)
     self.ln2 = nnx.LayerNorm(config.hidden, rngs=rngs)
     self.fc1 = nnx.Linear(config.hidden, config.ffn, rngs=rngs)
     self.fc2 = nnx.Linear(config.ffn, config.hidden, rngs=rngs)
