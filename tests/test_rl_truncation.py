@@ -84,9 +84,11 @@ def test_scored_log_probs_are_the_renormalised_truncated_distribution():
                                    rl.Truncation(top_k=3, top_p=0.9)])
 def test_on_policy_ratio_is_exactly_one_with_the_same_truncation(trunc):
   """A bigram decoder (the same logits for the sampler and the re-scoring):
-  recorded and re-scored log-probs are bit-equal, the ratio is 1.0 exactly
-  and every sampled token is in the kept set. Scored without the truncation
-  (the sampler/trainer mismatch) the ratio is < 1 on every token."""
+  every sampled token is in the kept set; recorded and re-scored log-probs
+  agree to float rounding (the scan body and the re-scoring are compiled
+  apart), so the ratio is 1 to 1e-6, and exactly 1.0 with
+  ``old_log_probs=None``. Scored without the truncation (the sampler/trainer
+  mismatch) the ratio is < 1 on most tokens, by far more."""
   table = jnp.asarray(np.random.default_rng(1).normal(size=(6, 6)) * 1.5,
                       jnp.float32)
   decoder = lambda tokens: table[tokens]
@@ -96,20 +98,23 @@ def test_on_policy_ratio_is_exactly_one_with_the_same_truncation(trunc):
   logits = table[out.tokens[:, :-1]]
   rescored = rl.token_log_probs(logits, out.completions, temperature,
                                 truncation=trunc)
-  np.testing.assert_array_equal(rescored, out.log_probs)
+  np.testing.assert_allclose(rescored, out.log_probs, rtol=0, atol=1e-6)
   assert np.all(np.isfinite(out.log_probs))
   kept = np.isfinite(np.asarray(rl.truncated_logits(logits / temperature,
                                                     trunc)))
   assert np.all(np.take_along_axis(kept, np.asarray(out.completions)[..., None],
                                    -1))
   adv = jnp.asarray(np.random.default_rng(2).normal(size=256), jnp.float32)
-  _, m = rl.policy_loss(rescored, out.log_probs, adv, out.mask,
-                        config=rl.Config(beta=0.0, clip_eps_low=0.0,
-                                         clip_eps_high=0.0))
+  config = rl.Config(beta=0.0)
+  _, m = rl.policy_loss(rescored, out.log_probs, adv, out.mask, config=config)
+  assert abs(float(m["ratio_min"]) - 1) < 1e-6
+  assert abs(float(m["ratio_max"]) - 1) < 1e-6
+  _, m = rl.policy_loss(rescored, None, adv, out.mask, config=config)
   assert float(m["ratio_min"]) == float(m["ratio_max"]) == 1.0
-  plain = rl.token_log_probs(logits, out.completions, temperature)
-  assert np.all(np.asarray(plain) < np.asarray(out.log_probs) + 1e-7)
-  assert np.mean(np.asarray(plain) < np.asarray(out.log_probs)) > 0.5
+  plain = np.asarray(rl.token_log_probs(logits, out.completions, temperature))
+  recorded = np.asarray(out.log_probs)
+  assert np.all(plain < recorded + 1e-6)
+  assert np.mean(plain < recorded - 1e-2) > 0.5
 
 
 def test_truncated_sampling_frequencies():
