@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   task.add_argument("--shuffle-rewards", action="store_true",
                     help="Control: permute the rewards across the batch "
                     "before the advantages, so they carry no information.")
-  task.add_argument("--warm-start-steps", type=int, default=150,
+  task.add_argument("--warm-start-steps", type=int, default=120,
                     help="Supervised steps before RL (0: none).")
   task.add_argument("--warm-start-problems", type=int, default=2000,
                     help="Fixed training problems the warm start sees.")
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   model.add_argument("--num-layers", type=int, default=2)
   model.add_argument("--num-heads", type=int, default=4)
   model.add_argument("--ffn", type=int, default=256)
-  flags.add_training_flags(parser, steps=200, batch_size=32, eval_every=50,
+  flags.add_training_flags(parser, steps=300, batch_size=32, eval_every=50,
                            data_parallel=False, default_optimizer="adam")
   args = parser.parse_args(argv)
   flags.check_common_args(parser, args)

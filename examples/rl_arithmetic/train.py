@@ -38,7 +38,7 @@ from examples.common import workdir as workdir_lib
 from examples.rl_arithmetic import main as main_lib
 from examples.rl_arithmetic import models
 
-DEFAULT_LRS = {"grpo": 1e-3, "adam": 1e-3, "adamw": 1e-3, "nadam": 1e-3,
+DEFAULT_LRS = {"grpo": 3e-3, "adam": 3e-3, "adamw": 3e-3, "nadam": 3e-3,
                "sgd": 0.1}
 _EVAL_SEED = 12345
 _SHUFFLE_STREAM = 2**31 - 1
