@@ -366,7 +366,10 @@ def policy_loss(
   1+\epsilon_{high}))`, with :math:`L_t \leftarrow \min(L_t, -cA)` where
   :math:`A<0` under a dual clip ``c``, plus :math:`\beta\,\mathrm{KL}_t` (see
   :func:`kl_penalty`), reduced by :func:`aggregate` with
-  ``config.aggregation``. The sequence ratio (GSPO) has the value of the
+  ``config.aggregation``. The clip is selected by strict comparisons, so at
+  a tie (``r`` exactly on a bound, as on-policy with ``clip_eps_low=0``) the
+  gradient is the unclipped one, and where the loss is flat a huge
+  log-ratio cannot make the gradient NaN. The sequence ratio (GSPO) has the value of the
   geometric mean of the completion's token ratios on every token, and the
   gradient of that value times :math:`\nabla\ell_t`.
 

@@ -10,7 +10,9 @@ once and runs inside a jitted training step. Two ways to run the decoder:
   forward pass over the prompt (prefill), then one pass of length 1 per new
   token against a fixed-size cache that travels in the scan carry. Same
   tokens for the same keys, log-probabilities equal up to float rounding
-  (the attention is computed with other matrix shapes).
+  (the attention is computed with other matrix shapes; so a draw that lands
+  within rounding of the boundary between two tokens could in principle
+  differ, with probability of the order of 1e-7 per token).
 
 The cache protocol: ``model.init_cache(batch_size, max_length)`` returns a
 pytree of arrays (for example ``[B, max_length, H, Dh]`` keys and values per
