@@ -122,3 +122,30 @@ def test_integer_rewards_jit_and_zero_signal():
 def test_bad_input(rewards, kwargs, error, match):
   with pytest.raises(error, match=match):
     rl.group_advantages(rewards, **kwargs)
+
+
+@pytest.mark.parametrize("estimator", ["group_std", "none", "rloo"])
+def test_infinite_rewards_make_their_group_nan(estimator):
+  """As the docs say: a group holding +-inf gets NaN advantages, even when
+  all its rewards are +inf (equal); other groups are unaffected."""
+  rewards = jnp.array([[jnp.inf, jnp.inf, jnp.inf],
+                       [1.0, -jnp.inf, 0.0],
+                       [jnp.inf, jnp.nan, jnp.nan],
+                       [1.0, 0.0, 0.0]])
+  adv = np.asarray(rl.group_advantages(rewards, estimator=estimator))
+  assert np.all(np.isnan(adv[:3]))
+  np.testing.assert_array_equal(
+      adv[3], rl.group_advantages(rewards[3:], estimator=estimator)[0])
+  assert np.all(np.isfinite(adv[3]))
+  np.testing.assert_array_equal(rl.zero_signal_groups(rewards),
+                                [False, False, False, False])
+  np.testing.assert_array_equal(
+      rl.zero_signal_groups(jnp.array([[2.0, 2.0], [jnp.inf, jnp.inf]])),
+      [True, False])
+
+
+def test_infinite_reward_under_batch_std_poisons_groups_with_signal():
+  rewards = jnp.array([[jnp.inf, 0.0], [1.0, 0.0], [1.0, 1.0]])
+  adv = np.asarray(rl.group_advantages(rewards, estimator="batch_std"))
+  assert np.all(np.isnan(adv[:2]))
+  np.testing.assert_array_equal(adv[2], [0.0, 0.0])

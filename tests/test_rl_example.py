@@ -45,6 +45,7 @@ def test_task_rewards_and_chance():
                                 [[10], [37]])
 
 
+@pytest.mark.slow
 def test_two_steps_and_exact_resume(tmp_path):
   """The defaults (grpo loss preset: a frozen reference, beta > 0; Adam):
   cut back to step 1 and resumed, the run equals the uninterrupted one bit
@@ -85,6 +86,7 @@ def test_two_steps_and_exact_resume(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, got_state, want_state)
 
 
+@pytest.mark.slow
 def test_other_loss_optimizer_inner_steps_and_shuffled_rewards(tmp_path,
                                                               monkeypatch):
   """dapo loss, SGD, two optimizer steps per batch, shuffled rewards; no

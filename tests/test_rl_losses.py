@@ -437,3 +437,58 @@ def test_policy_loss_bad_input():
     rl.token_log_probs(np.zeros((2, 3)), np.zeros(2))
   with pytest.raises(ValueError, match=r"\[B, T\]"):
     rl.completion_mask(np.zeros(3, int), eos_id=1)
+
+
+# ------------------------------------------ clipping at ties, huge ratios
+
+
+@pytest.mark.parametrize("eps_low, eps_high", [(0.0, 0.2), (0.2, 0.0),
+                                               (0.0, 0.0)])
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_zero_clip_range_keeps_the_reinforce_gradient(eps_low, eps_high,
+                                                      dual_clip):
+  """On-policy the ratio is exactly 1, at the bound when eps = 0: the
+  gradient is the unclipped one, -A grad(logp) under the aggregation's
+  weights (jnp.clip/jnp.maximum used to give 0.75x or 0.625x of it)."""
+  logp, _, _, adv, mask, _ = _inputs(4)
+  adv = np.where(np.arange(B) % 2, -1.0, 1.0).astype(np.float32) * (
+      1 + np.arange(B, dtype=np.float32))
+  config = rl.Config(beta=0.0, clip_eps_low=eps_low, clip_eps_high=eps_high,
+                     dual_clip=dual_clip, aggregation="token-mean")
+  grad = jax.grad(lambda l: rl.policy_loss(l, None, adv, mask,
+                                           config=config)[0])(logp)
+  want = jax.grad(lambda l: rl.aggregate(-adv[:, None] * l, mask,
+                                         "token-mean"))(logp)
+  np.testing.assert_array_equal(grad, want)
+  assert np.all(np.asarray(grad)[mask] != 0)
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0, 0.0])
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_huge_log_ratio_gives_a_finite_gradient_in_float32(advantage,
+                                                           ratio_level):
+  """Log-ratio 200 (exp overflows float32): where the clip (A > 0), the dual
+  clip (A < 0) or A = 0 makes the loss flat, the gradient is exactly 0 and
+  finite, and the loss is the clipped constant."""
+  log_old = jnp.full((2, 3), -201.0, jnp.float32)
+  logp = jnp.full((2, 3), -1.0, jnp.float32)
+  adv = jnp.full((2,), advantage, jnp.float32)
+  mask = jnp.ones((2, 3), bool)
+  config = rl.Config(beta=0.0, dual_clip=3.0, ratio_level=ratio_level,
+                     aggregation="token-mean")
+  loss_fn = lambda l: rl.policy_loss(l, log_old, adv, mask, config=config)[0]
+  loss, grad = jax.value_and_grad(loss_fn)(logp)
+  assert np.all(np.isfinite(grad)) and np.all(np.asarray(grad) == 0)
+  want = {1.0: -1.2, -1.0: 3.0, 0.0: 0.0}[advantage]
+  assert float(loss) == pytest.approx(want)
+  # The values of the surrogate on both sides of each bound, for reference.
+  config = rl.Config(beta=0.0, clip_eps_low=0.2, clip_eps_high=0.2,
+                     dual_clip=3.0, aggregation="token-mean")
+  for r, a, want in [(1.3, 1.0, -1.2), (1.1, 1.0, -1.1), (0.7, 1.0, -0.7),
+                     (0.7, -1.0, 0.8), (0.9, -1.0, 0.9), (2.0, -1.0, 2.0),
+                     (4.0, -1.0, 3.0)]:
+    got, _ = rl.policy_loss(jnp.full((1, 1), math.log(r), jnp.float32),
+                            jnp.zeros((1, 1), jnp.float32),
+                            jnp.array([a], jnp.float32),
+                            jnp.ones((1, 1), bool), config=config)
+    assert float(got) == pytest.approx(want, rel=1e-6), (r, a)

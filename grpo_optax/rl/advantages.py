@@ -24,7 +24,10 @@ Two rules make the estimators safe on real reward batches:
   So is a group with fewer than two valid rewards.
 * A NaN reward (a completion the reward function could not score) is left
   out of every statistic and gets advantage ``0``. ``+-inf`` is not treated as
-  missing: it makes its group's advantages non-finite, so the bug shows.
+  missing: every advantage of a group holding one is NaN (even a group of
+  all ``+inf``, whose rewards are equal), so the bug shows; under
+  ``"batch_std"`` the batch statistic is NaN too, so every group with signal
+  gets NaN. Such a group is not a zero-signal group.
 """
 
 from __future__ import annotations
@@ -60,9 +63,11 @@ def zero_signal_groups(rewards: jax.Array) -> jax.Array:
 
   Returns:
     bool ``[num_prompts]``: True where the group's valid rewards are all
-    equal, or where it has fewer than two valid rewards. Their advantages are
-    exactly 0 under every estimator, so they contribute nothing to the policy
-    gradient (DAPO's "dynamic sampling" filters them out).
+    equal, or where it has fewer than two valid rewards, and no reward is
+    ``+-inf`` (a group with an infinite reward is a bug, not a group without
+    signal). Their advantages are exactly 0 under every estimator, so they
+    contribute nothing to the policy gradient (DAPO's "dynamic sampling"
+    filters them out).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -74,7 +79,8 @@ def zero_signal_groups(rewards: jax.Array) -> jax.Array:
   valid = ~jnp.isnan(rewards)
   high = jnp.max(jnp.where(valid, rewards, -jnp.inf), axis=-1)
   low = jnp.min(jnp.where(valid, rewards, jnp.inf), axis=-1)
-  return (jnp.sum(valid, axis=-1) < 2) | (high == low)
+  infinite = jnp.any(jnp.isinf(rewards), axis=-1)
+  return ((jnp.sum(valid, axis=-1) < 2) | (high == low)) & ~infinite
 
 
 def group_advantages(rewards: jax.Array, *, estimator: str = "group_std",
@@ -94,7 +100,9 @@ def group_advantages(rewards: jax.Array, *, estimator: str = "group_std",
     \end{cases}
 
   Groups whose valid rewards are all equal (or that have fewer than two) get
-  exactly 0; NaN rewards are excluded from the statistics and get 0.
+  exactly 0; NaN rewards are excluded from the statistics and get 0. A group
+  with a ``+-inf`` reward gets NaN everywhere (``"batch_std"``: so does
+  every group with signal), so that the bad reward cannot pass unseen.
 
   Args:
     rewards: ``[num_prompts, group_size]`` outcome rewards (``group_size >=
@@ -149,4 +157,6 @@ def group_advantages(rewards: jax.Array, *, estimator: str = "group_std",
   else:  # "none"
     adv = centered
   signal = ~zero_signal_groups(rewards)[:, None]
-  return jnp.where(valid & signal, adv, 0).astype(dtype)
+  adv = jnp.where(valid & signal, adv, 0)
+  infinite = jnp.any(jnp.isinf(rewards), axis=-1, keepdims=True)
+  return jnp.where(infinite, jnp.nan, adv).astype(dtype)

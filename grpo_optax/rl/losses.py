@@ -27,6 +27,8 @@ from grpo_optax import _common
 from grpo_optax.rl.config import AGGREGATIONS
 from grpo_optax.rl.config import Config
 from grpo_optax.rl.config import KL_ESTIMATORS
+from grpo_optax.rl.truncation import truncated_logits
+from grpo_optax.rl.truncation import Truncation
 
 
 def _float32(x: jax.Array) -> jax.Array:
@@ -45,19 +47,27 @@ def _scaled_logits(logits: jax.Array, temperature) -> jax.Array:
 
 
 def token_log_probs(logits: jax.Array, tokens: jax.Array,
-                    temperature: float = 1.0) -> jax.Array:
+                    temperature: float = 1.0, *,
+                    truncation: Truncation | None = None) -> jax.Array:
   r"""Log-probabilities of ``tokens`` under ``softmax(logits / temperature)``.
 
   .. math::
-    \ell_t = z_{t, y_t}/\tau - \log\sum_v \exp(z_{t,v}/\tau)
+    \ell_t = z_{t, y_t}/\tau - \log\sum_{v \in K_t} \exp(z_{t,v}/\tau)
 
-  computed in (at least) float32. The sampler records exactly this value, so
-  the on-policy importance ratio is 1.
+  computed in (at least) float32, with :math:`K_t` the tokens kept by
+  ``truncation`` (:func:`truncated_logits`; all of them by default) and
+  :math:`-\infty` for a token outside :math:`K_t`. The sampler records
+  exactly this value for the same settings, so the on-policy importance
+  ratio is 1. Score with the sampler's ``truncation``: scored without it,
+  the ratio to a truncated sampler's records is :math:`p/p_{trunc} < 1` on
+  every token.
 
   Args:
     logits: ``[..., V]`` scores (any float dtype).
     tokens: ``[...]`` integer ids in ``[0, V)``.
     temperature: the sampling temperature, > 0.
+    truncation: the sampler's :class:`Truncation` (top-k, top-p, min-p), or
+      None.
 
   Returns:
     ``[...]`` float32 (float64 for float64 logits) log-probabilities.
@@ -69,7 +79,7 @@ def token_log_probs(logits: jax.Array, tokens: jax.Array,
     >>> jnp.exp(rl.token_log_probs(logits, jnp.array([1])))
     Array([0.75], dtype=float32)
   """
-  scaled = _scaled_logits(logits, temperature)
+  scaled = truncated_logits(_scaled_logits(logits, temperature), truncation)
   tokens = jnp.asarray(tokens)
   if tokens.shape != scaled.shape[:-1]:
     raise ValueError(f"tokens must have shape logits.shape[:-1] = "
@@ -80,14 +90,17 @@ def token_log_probs(logits: jax.Array, tokens: jax.Array,
   return picked - jax.nn.logsumexp(scaled, axis=-1)
 
 
-def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+def token_entropy(logits: jax.Array, temperature: float = 1.0, *,
+                  truncation: Truncation | None = None) -> jax.Array:
   r"""Entropy of ``softmax(logits / temperature)`` at each position (nats).
 
-  .. math:: H_t = -\sum_v p_{t,v} \log p_{t,v}
+  .. math:: H_t = -\sum_{v \in K_t} p_{t,v} \log p_{t,v}
 
   Args:
     logits: ``[..., V]`` scores.
     temperature: the sampling temperature, > 0.
+    truncation: entropy of the truncated, renormalised distribution
+      (:func:`truncated_logits`; dropped tokens contribute 0), or None.
 
   Returns:
     ``[...]`` entropies, float32 or wider.
@@ -98,8 +111,12 @@ def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
     >>> rl.token_entropy(jnp.zeros((1, 4)))  # uniform over 4: log 4
     Array([1.3862944], dtype=float32)
   """
-  log_p = jax.nn.log_softmax(_scaled_logits(logits, temperature), axis=-1)
-  return -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+  log_p = jax.nn.log_softmax(
+      truncated_logits(_scaled_logits(logits, temperature), truncation),
+      axis=-1)
+  kept = jnp.isfinite(log_p)
+  log_p = jnp.where(kept, log_p, 0)  # 0 * -inf would be NaN
+  return -jnp.sum(jnp.where(kept, jnp.exp(log_p) * log_p, 0), axis=-1)
 
 
 def completion_mask(completions: jax.Array,
@@ -284,6 +301,37 @@ def _masked_stats(x: jax.Array, mask: jax.Array, prefix: str
   }
 
 
+def _clipped_surrogate(log_ratio: jax.Array, adv: jax.Array, config: Config
+                       ) -> tuple[jax.Array, jax.Array]:
+  r"""Per-token clipped loss and the ratio, with the unclipped gradient at ties.
+
+  :math:`\max(-Ar, -A\,\mathrm{clip}(r, lo, hi))` equals the constant
+  :math:`-A\,hi` where :math:`A > 0, r > hi`, the constant :math:`-A\,lo`
+  where :math:`A < 0, r < lo`, and :math:`-Ar` elsewhere; the dual clip
+  replaces :math:`-Ar` by :math:`-cA` where :math:`A < 0, r > c`. Written
+  with ``jnp.where`` on these *strict* comparisons, the gradient at a tie
+  (``r`` exactly at a bound, as on-policy with ``eps = 0``) is the unclipped
+  one, where ``jnp.clip``/``jnp.maximum`` would split it in halves. Where a
+  constant is selected (and where ``A = 0``), ``exp`` is evaluated at 0, so a
+  huge log-ratio there gives no ``inf * 0 = NaN`` in the gradient.
+  """
+  low, high = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
+  # The branch choice only needs the ratio's value; log-space comparisons
+  # would round differently at the bounds, so compare the ratio itself.
+  ratio_value = jnp.exp(jax.lax.stop_gradient(log_ratio))
+  clip_high = (adv > 0) & (ratio_value > high)
+  clip_low = (adv < 0) & (ratio_value < low)
+  constant = jnp.where(clip_high, high, low)
+  if config.dual_clip is not None:
+    dual = (adv < 0) & (ratio_value > config.dual_clip)
+    constant = jnp.where(dual, config.dual_clip, constant)
+    clip_low = clip_low | dual
+  flat = clip_high | clip_low | (adv == 0)
+  ratio = jnp.exp(jnp.where(flat, 0.0, log_ratio))
+  per_token = jnp.where(flat, -adv * constant, -adv * ratio)
+  return jnp.where(adv == 0, 0.0, per_token), ratio_value
+
+
 def _check_shape(name: str, x: jax.Array, shape: tuple[int, ...]) -> None:
   if x.shape != shape:
     raise ValueError(f"{name} must have shape {shape} (that of log_probs); "
@@ -302,6 +350,7 @@ def policy_loss(
     group_size: int | None = None,
     num_sequences: jax.Array | float | None = None,
     num_tokens: jax.Array | float | None = None,
+    normalizer: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   r"""The clipped group-relative policy loss (GRPO, DAPO, Dr. GRPO, GSPO).
 
@@ -317,7 +366,10 @@ def policy_loss(
   1+\epsilon_{high}))`, with :math:`L_t \leftarrow \min(L_t, -cA)` where
   :math:`A<0` under a dual clip ``c``, plus :math:`\beta\,\mathrm{KL}_t` (see
   :func:`kl_penalty`), reduced by :func:`aggregate` with
-  ``config.aggregation``. The sequence ratio (GSPO) has the value of the
+  ``config.aggregation``. The clip is selected by strict comparisons, so at
+  a tie (``r`` exactly on a bound, as on-policy with ``clip_eps_low=0``) the
+  gradient is the unclipped one, and where the loss is flat a huge
+  log-ratio cannot make the gradient NaN. The sequence ratio (GSPO) has the value of the
   geometric mean of the completion's token ratios on every token, and the
   gradient of that value times :math:`\nabla\ell_t`.
 
@@ -349,6 +401,10 @@ def policy_loss(
       all 0.
     num_sequences: forwarded to :func:`aggregate` (microbatching).
     num_tokens: forwarded to :func:`aggregate` (microbatching).
+    normalizer: a :class:`~grpo_optax.rl.LossNormalizer` of the whole batch
+      (:func:`~grpo_optax.rl.loss_normalizer`), the explicit form of
+      ``(num_sequences, num_tokens)``: with it, the losses and gradients of
+      the microbatches or devices of a batch *sum* to the whole batch's.
 
   Returns:
     ``(loss, metrics)``: the scalar loss and a dict of scalar arrays:
@@ -430,14 +486,16 @@ def policy_loss(
     seq_log_ratio = jnp.sum(log_ratio, axis=-1, keepdims=True) / lengths
     log_ratio = logp - jax.lax.stop_gradient(logp) + jax.lax.stop_gradient(
         seq_log_ratio)
-  ratio = jnp.exp(log_ratio)
+  per_token, ratio = _clipped_surrogate(log_ratio, adv, config)
   low, high = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
-  per_token = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, low, high))
   metrics = {}
   if config.dual_clip is not None:
-    capped = jnp.minimum(per_token, -adv * config.dual_clip)
-    per_token = jnp.where(adv < 0, capped, per_token)
     metrics["clip_fraction_dual"] = (adv < 0) & (ratio > config.dual_clip)
+  if normalizer is not None:
+    if num_sequences is not None or num_tokens is not None:
+      raise ValueError("pass either normalizer or num_sequences/num_tokens, "
+                       "not both")
+    num_sequences, num_tokens = normalizer
   agg = lambda x: aggregate(x, mask, config.aggregation,
                             max_length=config.max_length,
                             num_sequences=num_sequences, num_tokens=num_tokens)

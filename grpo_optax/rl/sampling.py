@@ -2,21 +2,38 @@
 
 :func:`sample` decodes ``max_new_tokens`` tokens after equal-length prompts in
 one ``jax.lax.scan`` over a fixed ``[B, P + N]`` token buffer, so it compiles
-once and runs inside a jitted training step. The decoder is called on the
-whole buffer at every position (no KV cache): ``N`` forward passes of length
-``P + N``, which is exact for any causal decoder and cheap for small models.
+once and runs inside a jitted training step. Two ways to run the decoder:
+
+* uncached: the decoder is called on the whole buffer at every position,
+  ``N`` forward passes of length ``P + N``; exact for any causal decoder.
+* KV-cached, for a decoder that implements the cache protocol below: one
+  forward pass over the prompt (prefill), then one pass of length 1 per new
+  token against a fixed-size cache that travels in the scan carry. Same
+  tokens for the same keys, log-probabilities equal up to float rounding
+  (the attention is computed with other matrix shapes; so a draw that lands
+  within rounding of the boundary between two tokens could in principle
+  differ, with probability of the order of 1e-7 per token).
+
+The cache protocol: ``model.init_cache(batch_size, max_length)`` returns a
+pytree of arrays (for example ``[B, max_length, H, Dh]`` keys and values per
+layer), and ``model(tokens[B, L], cache=cache, position=p)`` returns
+``(logits[B, L, V], new_cache)`` for tokens at absolute positions
+``p .. p + L - 1`` (``p`` a traced int32 scalar). The cache is a value, not
+module state, so the scan stays a pure function.
 
 Randomness is a pure function of ``(seed, step)``: the key of position ``t``
 is ``fold_in(fold_in(key(seed), step), t)``, so a run resumed at training
 step ``s`` samples exactly what an uninterrupted run samples, whatever was
-drawn before.
+drawn before, and the cached and uncached samplers draw the same tokens.
 
-The log-probability of each sampled token is computed by
-:func:`grpo_optax.rl.token_log_probs` from the same logits divided by the
-same temperature; re-scoring the completions with the same parameters gives
-the same numbers up to float rounding (a few ulps, as XLA compiles the scan
-body and the re-scoring separately), so the loss's importance ratio starts
-at 1. With one optimizer step per batch pass ``old_log_probs=None`` to
+The token of each position is drawn from the distribution the loss scores:
+:func:`grpo_optax.rl.token_log_probs` of the same logits, temperature and
+:class:`~grpo_optax.rl.Truncation` (top-k, top-p, min-p: the truncated,
+renormalised distribution), and that log-probability is recorded. Re-scoring
+the completions with the same parameters and settings gives the same
+numbers up to float rounding (a few ulps, as XLA compiles the scan body and
+the re-scoring separately), so the loss's importance ratio starts at 1. With
+one optimizer step per batch pass ``old_log_probs=None`` to
 :func:`~grpo_optax.rl.policy_loss` instead, which makes it exactly 1.
 
 The decoder runs in inference mode: state it updates while decoding (an
@@ -25,6 +42,7 @@ RNG counter, BatchNorm statistics) is discarded.
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -33,6 +51,7 @@ import jax.numpy as jnp
 
 from grpo_optax import _common
 from grpo_optax.rl import losses
+from grpo_optax.rl import truncation as truncation_lib
 
 
 class Samples(NamedTuple):
@@ -65,19 +84,65 @@ def _decoder_fn(model: Any) -> Callable[[jax.Array], jax.Array]:
                   f"logits; got {type(model).__name__}")
 
 
+def _cached_decoder_fn(model: Any) -> Callable[..., tuple[jax.Array, Any]]:
+  """``(tokens, cache, position) -> (logits, cache)`` of a cache-aware model."""
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is not None and isinstance(model, nnx.Module):
+    graphdef, state = nnx.split(model)
+    return lambda tokens, cache, position: nnx.merge(graphdef, state)(
+        tokens, cache=cache, position=position)
+  return lambda tokens, cache, position: model(tokens, cache=cache,
+                                               position=position)
+
+
+def _use_cache(model: Any, kv_cache: bool | None) -> bool:
+  has_cache = callable(getattr(model, "init_cache", None))
+  if kv_cache is None:
+    return has_cache
+  if kv_cache and not has_cache:
+    raise TypeError(f"kv_cache=True needs a model with init_cache(batch_size, "
+                    f"max_length) and __call__(tokens, cache=, position=); "
+                    f"{type(model).__name__} has no init_cache")
+  return bool(kv_cache)
+
+
+def _check_logits(logits: jax.Array, batch: int, length: int) -> None:
+  if logits.ndim != 3 or logits.shape[:2] != (batch, length):
+    raise ValueError(f"model(tokens[{batch}, {length}]) must return logits "
+                     f"[{batch}, {length}, V]; got {logits.shape}")
+
+
+def _draw(logits: jax.Array, key: jax.Array, t: jax.Array, *,
+          temperature: float, truncation: truncation_lib.Truncation,
+          greedy: bool) -> tuple[jax.Array, jax.Array]:
+  """The token of position ``t`` and its log-probability, from ``[B, V]``."""
+  scaled = truncation_lib.truncated_logits(
+      losses._scaled_logits(logits, temperature), truncation)  # pylint: disable=protected-access
+  if greedy:
+    new = jnp.argmax(scaled, axis=-1)
+  else:
+    new = jax.random.categorical(jax.random.fold_in(key, t), scaled)
+  new = new.astype(jnp.int32)
+  return new, losses.token_log_probs(logits, new, temperature,
+                                     truncation=truncation)
+
+
 def sample(model: Any, prompts: jax.Array, *, max_new_tokens: int,
            seed: int | jax.Array, step: int | jax.Array,
            temperature: float = 1.0, greedy: bool = False,
            eos_id: int | Sequence[int] | None = None,
-           pad_id: int = 0) -> Samples:
+           pad_id: int = 0,
+           truncation: truncation_lib.Truncation | None = None,
+           kv_cache: bool | None = None) -> Samples:
   r"""Samples ``max_new_tokens`` tokens after each prompt.
 
   At position ``t`` the token is drawn from
-  :math:`\mathrm{softmax}(z_t / \tau)`, ``z_t`` the decoder's logits at the
-  previous position, with the key ``fold_in(sampling_key(seed, step), t)``
-  (``greedy=True``: the argmax, same recorded log-probabilities). After a
-  row's first EOS its tokens are ``pad_id``, its log-probabilities 0 and its
-  mask False.
+  :math:`\mathrm{softmax}(\mathrm{trunc}(z_t / \tau))`, ``z_t`` the decoder's
+  logits at the previous position and ``trunc`` the ``truncation``
+  (:func:`~grpo_optax.rl.truncated_logits`), with the key
+  ``fold_in(sampling_key(seed, step), t)`` (``greedy=True``: the argmax, same
+  recorded log-probabilities). After a row's first EOS its tokens are
+  ``pad_id``, its log-probabilities 0 and its mask False.
 
   Args:
     model: a causal decoder, ``model(tokens[B, L]) -> logits[B, L, V]`` (a
@@ -92,6 +157,12 @@ def sample(model: Any, prompts: jax.Array, *, max_new_tokens: int,
     greedy: take the most likely token instead of sampling.
     eos_id: id(s) that end a completion; None: completions run to ``N``.
     pad_id: token written after EOS.
+    truncation: top-k / top-p / min-p settings
+      (:class:`~grpo_optax.rl.Truncation`), or None; pass the same to
+      :func:`~grpo_optax.rl.token_log_probs` in the loss.
+    kv_cache: None: use the KV cache when the model implements the cache
+      protocol (``init_cache``); True: require it; False: the uncached
+      decoder, ``N`` full passes.
 
   Returns:
     :class:`Samples`.
@@ -120,7 +191,7 @@ def sample(model: Any, prompts: jax.Array, *, max_new_tokens: int,
                      f"{prompts.shape}")
   if not jnp.issubdtype(prompts.dtype, jnp.integer):
     raise TypeError(f"prompts must be integer tokens; got {prompts.dtype}")
-  decode = _decoder_fn(model)
+  truncation = truncation_lib._as_truncation(truncation)  # pylint: disable=protected-access
   prompts = prompts.astype(jnp.int32)
   batch, prompt_len = prompts.shape
   length = prompt_len + max_new_tokens
@@ -128,33 +199,50 @@ def sample(model: Any, prompts: jax.Array, *, max_new_tokens: int,
   buffer = jnp.concatenate(
       [prompts, jnp.full((batch, max_new_tokens), pad_id, jnp.int32)], axis=1)
   key = sampling_key(seed, step)
+  draw = functools.partial(_draw, key=key, temperature=temperature,
+                           truncation=truncation, greedy=greedy)
 
-  def body(carry, t):
-    tokens, done = carry
-    logits = decode(tokens)
-    if logits.ndim != 3 or logits.shape[:2] != (batch, length):
-      raise ValueError(f"model(tokens[{batch}, {length}]) must return logits "
-                       f"[{batch}, {length}, V]; got {logits.shape}")
-    logits = jax.lax.dynamic_index_in_dim(logits, prompt_len + t - 1, axis=1,
-                                          keepdims=False)
-    if greedy:
-      new = jnp.argmax(logits, axis=-1)
-    else:
-      scaled = losses._scaled_logits(logits, temperature)  # pylint: disable=protected-access
-      new = jax.random.categorical(jax.random.fold_in(key, t), scaled)
-    new = new.astype(jnp.int32)
-    log_prob = losses.token_log_probs(logits, new, temperature)
+  def finish(new, log_prob, done):
     new = jnp.where(done, pad_id, new)
     log_prob = jnp.where(done, 0.0, log_prob)
-    tokens = jax.lax.dynamic_update_slice_in_dim(
-        tokens, new[:, None], prompt_len + t, axis=1)
     if eos is not None:
       done = done | jnp.any(new[:, None] == eos, axis=-1)
-    return (tokens, done), (new, log_prob)
+    return new, log_prob, done
 
-  (tokens, _), (new, log_probs) = jax.lax.scan(
-      body, (buffer, jnp.zeros((batch,), bool)),
-      jnp.arange(max_new_tokens, dtype=jnp.int32))
+  if _use_cache(model, kv_cache):
+    decode = _cached_decoder_fn(model)
+    logits, cache = decode(prompts, model.init_cache(batch, length),
+                           jnp.zeros((), jnp.int32))
+    _check_logits(logits, batch, prompt_len)
+
+    def cached_body(carry, t):
+      tokens, done, logits, cache = carry
+      new, log_prob, done = finish(*draw(logits, t=t), done)
+      tokens = jax.lax.dynamic_update_slice_in_dim(
+          tokens, new[:, None], prompt_len + t, axis=1)
+      next_logits, cache = decode(new[:, None], cache, prompt_len + t)
+      return (tokens, done, next_logits[:, -1], cache), (new, log_prob)
+
+    carry = (buffer, jnp.zeros((batch,), bool), logits[:, -1], cache)
+    (tokens, *_), (new, log_probs) = jax.lax.scan(
+        cached_body, carry, jnp.arange(max_new_tokens, dtype=jnp.int32))
+  else:
+    decode = _decoder_fn(model)
+
+    def body(carry, t):
+      tokens, done = carry
+      logits = decode(tokens)
+      _check_logits(logits, batch, length)
+      logits = jax.lax.dynamic_index_in_dim(logits, prompt_len + t - 1,
+                                            axis=1, keepdims=False)
+      new, log_prob, done = finish(*draw(logits, t=t), done)
+      tokens = jax.lax.dynamic_update_slice_in_dim(
+          tokens, new[:, None], prompt_len + t, axis=1)
+      return (tokens, done), (new, log_prob)
+
+    (tokens, _), (new, log_probs) = jax.lax.scan(
+        body, (buffer, jnp.zeros((batch,), bool)),
+        jnp.arange(max_new_tokens, dtype=jnp.int32))
   completions = new.T
   mask = (jnp.ones(completions.shape, bool) if eos is None
           else losses.completion_mask(completions, eos))
