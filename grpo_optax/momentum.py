@@ -16,6 +16,7 @@ import optax
 
 from grpo_optax import _common
 from grpo_optax import _formulas
+from grpo_optax import quantization
 
 
 class ScaleByNesterovAdamRmsState(NamedTuple):
@@ -25,6 +26,12 @@ class ScaleByNesterovAdamRmsState(NamedTuple):
   mu: optax.Updates  # first moment (Adam)
   nu: optax.Updates  # second moment, shared by Adam and RMSProp
   filtered: Optional[optax.Updates]  # noise-filter EMA, None when disabled
+  key: Optional[jax.Array] = None  # stochastic rounding's key, else None
+
+
+def _decoded(fmt, stored):
+  """The float32 tree of a stored moment (as is when ``fmt`` is None)."""
+  return stored if fmt is None else quantization.tree_decode(fmt, stored)
 
 
 def scale_by_nesterov_adam_rms(
@@ -37,6 +44,10 @@ def scale_by_nesterov_adam_rms(
     filter_decay: Optional[float] = None,
     mu_dtype: Optional[Any] = None,
     rms_bias_correction: bool = False,
+    *,
+    mu_format: Optional[quantization.FormatLike] = None,
+    nu_format: Optional[quantization.FormatLike] = None,
+    key: Optional[jax.Array] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Mixes a (Nesterov-)Adam update with an RMSProp update sharing one ``nu``.
 
@@ -53,6 +64,11 @@ def scale_by_nesterov_adam_rms(
      :math:`R = g / (\sqrt{v_t} + \epsilon)`, RMSProp without bias correction
      (exactly ``optax.scale_by_rms(decay=b2, eps=eps, eps_in_sqrt=False)``).
   4. Output :math:`w A + (1 - w) R` with ``w = adam_weight``.
+
+  Storage: with ``mu_format`` / ``nu_format`` (see
+  :mod:`grpo_optax.quantization`) the state keeps ``mu`` / ``nu`` in that
+  format; each step decodes them to float32, applies 2.-4. and encodes the
+  new moments, in the same elementwise pass.
 
   Limits: ``adam_weight=1, nesterov=False`` is ``optax.scale_by_adam``,
   ``adam_weight=1, nesterov=True`` is NAdam, ``adam_weight=0`` is RMSProp.
@@ -71,6 +87,14 @@ def scale_by_nesterov_adam_rms(
     mu_dtype: optional dtype of the first moment (e.g. ``jnp.bfloat16``).
     rms_bias_correction: divide RMSProp's ``nu`` by ``1 - b2^(t+1)`` as
       Adam does (off: exactly ``optax.scale_by_rms``).
+    mu_format: storage of ``mu``: a name of
+      :data:`grpo_optax.quantization.FORMAT_NAMES` (e.g. ``"int8"``) or a
+      ``StateFormat``; ``None`` keeps the params' dtype (or ``mu_dtype``).
+      Excludes ``mu_dtype``.
+    nu_format: storage of ``nu`` (e.g. ``"uint8"``); ``None``: the params'
+      dtype.
+    key: PRNG key of the stochastic formats (``"bfloat16_sr"``), kept in
+      the state and split every step; default ``jax.random.key(0)``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -108,6 +132,11 @@ def scale_by_nesterov_adam_rms(
     raise TypeError("rms_bias_correction must be a bool, got "
                     f"{type(rms_bias_correction).__name__}")
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  if mu_dtype is not None and mu_format is not None:
+    raise ValueError("give `mu_dtype` or `mu_format`, not both.")
+  mu_fmt, nu_fmt = (None if f is None else quantization.state_format(f)
+                    for f in (mu_format, nu_format))
+  stochastic = any(f is not None and f.stochastic for f in (mu_fmt, nu_fmt))
 
   b1 = _common.f32(b1)
   b2 = _common.f32(b2)
@@ -120,10 +149,14 @@ def scale_by_nesterov_adam_rms(
   def init_fn(params):
     return ScaleByNesterovAdamRmsState(
         count=jnp.zeros([], jnp.int32),
-        mu=optax.tree.zeros_like(params, dtype=mu_dtype),
-        nu=optax.tree.zeros_like(params),
+        mu=(optax.tree.zeros_like(params, dtype=mu_dtype) if mu_fmt is None
+            else quantization.tree_init(mu_fmt, params)),
+        nu=(optax.tree.zeros_like(params) if nu_fmt is None
+            else quantization.tree_init(nu_fmt, params)),
         filtered=(None if filter_decay is None
                   else optax.tree.zeros_like(params)),
+        key=(None if not stochastic else
+             jax.random.key(0) if key is None else key),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -138,8 +171,9 @@ def scale_by_nesterov_adam_rms(
     else:
       g = updates
 
-    mu = optax.tree.update_moment(g, state.mu, b1, 1)
-    nu = optax.tree.update_moment_per_elem_norm(g, state.nu, b2, 2)
+    mu = optax.tree.update_moment(g, _decoded(mu_fmt, state.mu), b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(
+        g, _decoded(nu_fmt, state.nu), b2, 2)
     bc1 = _formulas.bias_correction(b1, count_inc)
     bc2 = _formulas.bias_correction(b2, count_inc)
     if nesterov:
@@ -159,10 +193,17 @@ def scale_by_nesterov_adam_rms(
       return out.astype(gi.dtype)
 
     out = jax.tree.map(mix, mu_hat, nu, g)
-    mu = optax.tree.cast(mu, mu_dtype) if mu_dtype is not None else (
-        optax.tree.cast_like(mu, state.mu))
-    nu = optax.tree.cast_like(nu, state.nu)
+    new_key, mu_key, nu_key = (jax.random.split(state.key, 3) if stochastic
+                               else (None, None, None))
+    if mu_fmt is not None:
+      mu = quantization.tree_encode(mu_fmt, mu, key=mu_key)
+    elif mu_dtype is not None:
+      mu = optax.tree.cast(mu, mu_dtype)
+    else:
+      mu = optax.tree.cast_like(mu, state.mu)
+    nu = (optax.tree.cast_like(nu, state.nu) if nu_fmt is None
+          else quantization.tree_encode(nu_fmt, nu, key=nu_key))
     return out, ScaleByNesterovAdamRmsState(
-        count=count_inc, mu=mu, nu=nu, filtered=filtered)
+        count=count_inc, mu=mu, nu=nu, filtered=filtered, key=new_key)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
