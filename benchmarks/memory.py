@@ -181,32 +181,34 @@ def peak_section(cfg) -> list[dict]:
   return rows
 
 
-def largest_depth(cfg, tx, layerwise: bool, budget: int) -> int:
-  """Largest depth whose step peak is <= budget (peak grows with depth)."""
-  peak = lambda depth: step_peak(cfg, depth, tx, layerwise)
-  lo, hi = 0, cfg["ref_depth"]
-  while peak(hi) <= budget:  # grow until it no longer fits
-    lo, hi = hi, 2 * hi
-  while hi - lo > 1:
-    mid = (lo + hi) // 2
-    lo, hi = (mid, hi) if peak(mid) <= budget else (lo, mid)
-  return lo
+def capacity_section(cfg, peaks: list[dict]) -> dict[str, Any]:
+  """Deepest decoder within the budget of Adam's donated step at ref depth.
 
-
-def capacity_section(cfg) -> dict[str, Any]:
-  budget = step_peak(cfg, cfg["ref_depth"], FACTORIES[BASELINE](1e-3), False)
-  base_n = num_params(gpt_shapes(cfg, cfg["ref_depth"]))
+  Peak bytes are affine in depth (each layer adds the same parameters,
+  state, gradients and stored activations), so the depth is extrapolated
+  from the peaks at ``ref_depth`` (the peak section) and ``2 ref_depth``,
+  then the step at that depth is compiled to check that it fits.
+  """
+  ref = cfg["ref_depth"]
+  budget = next(r["peak_bytes"] for r in peaks
+                if r["optimizer"] == BASELINE and not r["layerwise"])
+  base_n = num_params(gpt_shapes(cfg, ref))
   rows = []
-  for name, make in FACTORIES.items():
-    for layerwise in (False, True):
-      depth = largest_depth(cfg, make(1e-3), layerwise, budget)
-      n = num_params(gpt_shapes(cfg, depth))
-      rows.append(dict(optimizer=name, layerwise=layerwise, depth=depth,
-                       n_params=n, capacity_ratio=round(n / base_n, 3)))
-      print(f"fits   {name:>12s} layerwise={layerwise!s:5s} depth {depth:3d} "
-            f"{n / 1e6:8.1f}M params  x{n / base_n:.2f}", flush=True)
-  return {"budget_bytes": budget, "ref_depth": cfg["ref_depth"],
-          "ref_params": base_n, "rows": rows}
+  for r in peaks:
+    tx = FACTORIES[r["optimizer"]](1e-3)
+    slope = (step_peak(cfg, 2 * ref, tx, r["layerwise"]) - r["peak_bytes"]) / ref
+    depth = ref + math.floor((budget - r["peak_bytes"]) / slope)
+    check = step_peak(cfg, depth, tx, r["layerwise"])
+    n = num_params(gpt_shapes(cfg, depth))
+    rows.append(dict(optimizer=r["optimizer"], layerwise=r["layerwise"],
+                     depth=depth, n_params=n, capacity_ratio=round(n / base_n, 3),
+                     bytes_per_layer=int(slope), peak_at_depth=check,
+                     fits=check <= budget))
+    print(f"fits   {r['optimizer']:>12s} layerwise={r['layerwise']!s:5s} depth "
+          f"{depth:3d} {n / 1e6:8.1f}M params  x{n / base_n:.2f} "
+          f"(checked: {check <= budget})", flush=True)
+  return {"budget_bytes": budget, "ref_depth": ref, "ref_params": base_n,
+          "rows": rows}
 
 
 def markov_tokens(key, vocab, batch, seq):
@@ -360,11 +362,13 @@ def to_markdown(res: dict[str, Any]) -> str:
             f"Budget: {_gb(c['budget_bytes'])}, the peak of {BASELINE}'s "
             f"donated step at depth {c['ref_depth']} "
             f"({c['ref_params'] / 1e6:.1f}M params).", "",
-            "| optimizer | layer-wise | depth | params | x params |",
-            "|---|---|---|---|---|"]
-    out += [f"| {r['optimizer']} | {r['layerwise']} | {r['depth']} | "
-            f"{r['n_params'] / 1e6:.1f}M | {r['capacity_ratio']:.2f} |"
-            for r in c["rows"]]
+            "| optimizer | layer-wise | MiB per layer | depth | params | "
+            "x params | compiled peak at that depth fits |",
+            "|---|---|---|---|---|---|---|"]
+    out += [f"| {r['optimizer']} | {r['layerwise']} | "
+            f"{r['bytes_per_layer'] / 2**20:.1f} | {r['depth']} | "
+            f"{r['n_params'] / 1e6:.1f}M | {r['capacity_ratio']:.2f} | "
+            f"{r['fits']} |" for r in c["rows"]]
     out.append("")
   if "codec" in res:
     c = res["codec"]
@@ -422,7 +426,8 @@ def main(argv=None) -> dict[str, Any]:
   runners = {
       "state": lambda: state_section(cfg),
       "peak": lambda: peak_section(cfg),
-      "capacity": lambda: capacity_section(cfg),
+      "capacity": lambda: capacity_section(
+          cfg, res.get("peak") or peak_section(cfg)),
       "codec": lambda: codec_section(cfg),
       "time": lambda: time_section(
           args.time_params or cfg["time_params"], args.rounds, args.iters,
