@@ -27,6 +27,7 @@ section at tiny sizes (seconds on a CPU) through the same code.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -65,7 +66,7 @@ BASELINE = "adam_fp32"
 
 # GPT-2 small's width and vocabulary; depth 10 is ~150M parameters (article
 # 000's baseline model). Dry run: the same code at toy sizes.
-FULL = dict(vocab=50257, seq=512, d=768, batch=4, ref_depth=10,
+FULL = dict(vocab=50257, seq=256, d=768, batch=1, ref_depth=10,
             codec_d=128, codec_depth=2, codec_steps=300, time_params=2e7)
 DRY = dict(vocab=256, seq=16, d=64, batch=2, ref_depth=2,
            codec_d=32, codec_depth=2, codec_steps=20, time_params=2e5)
@@ -211,6 +212,7 @@ def capacity_section(cfg, peaks: list[dict]) -> dict[str, Any]:
           "rows": rows}
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def markov_tokens(key, vocab, batch, seq):
   """Tokens t_{i+1} = 7 t_i + 3 (mod V), a random token 10% of the time."""
   k1, k2, k3 = jax.random.split(key, 3)
@@ -265,8 +267,8 @@ def codec_errors(mu, nu, count) -> list[dict]:
   for mf, mkw, nf, nkw in candidates:
     fm = mf and quantization.state_format(mf, **mkw)
     fn = nf and quantization.state_format(nf, **nkw)
-    rt = lambda f, t: t if not f else quantization.tree_decode(
-        f, quantization.tree_encode(f, t))
+    rt = lambda f, t: t if not f else jax.jit(
+        lambda x: quantization.tree_decode(f, quantization.tree_encode(f, x)))(t)
     m2, v2 = rt(fm, mu), rt(fn, nu)
     rows.append(dict(
         mu_format=fm and f"{fm.name}(p={fm.power},B={fm.block_size})",

@@ -202,6 +202,13 @@ def _magnitude(fmt: StateFormat, q: jax.Array) -> jax.Array:
   return jax.lax.integer_pow(q / np.float32(fmt.levels), fmt.power)
 
 
+def _root(u: jax.Array, power: int) -> jax.Array:
+  """``u^(1/p)``: square roots for p = 2, 4, 8 (cheaper than ``pow``)."""
+  while power % 2 == 0:
+    u, power = jnp.sqrt(u), power // 2
+  return u if power == 1 else jnp.power(u, np.float32(1 / power))
+
+
 def _encode_blocked(fmt: StateFormat, x: jax.Array) -> Quantized:
   shape = x.shape
   xb, pad = _blocks(fmt, x.astype(jnp.float32))
@@ -210,8 +217,7 @@ def _encode_blocked(fmt: StateFormat, x: jax.Array) -> Quantized:
   if fmt.dtype == jnp.uint8:
     u = jnp.where(xb > 0, u, 0.0)  # negative entries of a "uint8" array -> 0
   q_max = np.float32(fmt.levels)
-  lo = jnp.clip(jnp.floor(jnp.power(u, np.float32(1 / fmt.power)) * q_max),
-                0, q_max - 1)
+  lo = jnp.clip(jnp.floor(_root(u, fmt.power) * q_max), 0, q_max - 1)
   # Nearest in value between the two codes around u: (lo/Q)^p <= u ~ ((lo+1)/Q)^p.
   up = _magnitude(fmt, lo + 1) - u < u - _magnitude(fmt, lo)
   q = jnp.where(up, lo + 1, lo)

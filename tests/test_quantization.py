@@ -53,8 +53,8 @@ def _moments(shape, seed=0):
 
 
 @pytest.mark.parametrize("name,signed", [("int8", True), ("uint8", False)])
-@pytest.mark.parametrize("shape,block", [((3, 700), 256), ((4, 64), 64),
-                                         ((2, 3, 50), 256), ((10,), 4)])
+@pytest.mark.parametrize("shape,block", [((3, 700), 256), ((2, 3, 50), 256),
+                                         ((10,), 4)])
 def test_matches_numpy_reference(name, signed, shape, block):
   fmt = qz.state_format(name, block_size=block)
   mu, nu = _moments(shape)
@@ -75,8 +75,8 @@ def test_matches_numpy_reference(name, signed, shape, block):
       rtol=1e-6, atol=1e-30)
 
 
-@pytest.mark.parametrize("name", ["int8", "uint8"])
-@pytest.mark.parametrize("power", [1, 2, 3, 4])
+@pytest.mark.parametrize("name,power", [("int8", 1), ("int8", 3),
+                                        ("uint8", 2), ("uint8", 4)])
 def test_round_trip_error_bound(name, power):
   # Largest gap between levels: between the top two, s (1 - ((Q-1)/Q)^p).
   fmt = qz.state_format(name, power=power, block_size=128)
