@@ -11,7 +11,7 @@ Each seed mechanism of the two source articles lives in one module:
 * :mod:`grpo_optax.quantization` -- storage formats of optimizer state
   (fp32, bf16, stochastic bf16, block-wise 8-bit).
 * :mod:`grpo_optax.presets` -- the :func:`grpo` preset (and ``ARTICLE_DEFAULTS``).
-* :mod:`grpo_optax.fused` -- its one-pass form with shared statistics.
+* :mod:`grpo_optax.fused` -- its fused clip + mask + Adam core.
 * :mod:`grpo_optax.diagnostics` -- :func:`metrics` and friends.
 * :mod:`grpo_optax.training` -- program changes: hierarchical gradients (7),
   immediate updates (8), freezing that skips compute (9).
@@ -27,8 +27,8 @@ from grpo_optax.diagnostics import importance_converged
 from grpo_optax.diagnostics import metrics
 from grpo_optax.freezing import FreezeBelowState
 from grpo_optax.freezing import freeze_below
-from grpo_optax.fused import GrpoState
-from grpo_optax.fused import GrpoStats
+from grpo_optax.fused import FusedState
+from grpo_optax.fused import clip_mask_adam
 from grpo_optax.importance import ScaleByImportanceState
 from grpo_optax.importance import per_head
 from grpo_optax.importance import scale_by_importance
@@ -53,12 +53,12 @@ __all__ = [
     "ClipWithL2State",
     "EmaThresholdMaskState",
     "FreezeBelowState",
-    "GrpoState",
-    "GrpoStats",
+    "FusedState",
     "ScaleByImportanceState",
     "ScaleByNesterovAdamRmsState",
     "ScaleByVarianceLrState",
     "TopKMaskState",
+    "clip_mask_adam",
     "clip_with_l2",
     "ema_threshold_mask",
     "freeze_below",

@@ -60,7 +60,14 @@ def check_range(name: str, value: Any, low: float | None = None,
   if not ok:
     lo = "(-inf" if low is None else ("[" if low_inclusive else "(") + f"{low:g}"
     hi = "inf)" if high is None else f"{high:g}" + ("]" if high_inclusive else ")")
-    raise ValueError(f"{name} must be in {lo}, {hi}; got {value!r}")
+    hint = ""
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and (
+        jnp.finfo(dtype).bits < 32):
+      hint = (f" ({name} arrived as a {jnp.dtype(dtype).name} array, which "
+              "rounds it: optax.inject_hyperparams casts hyper-parameters to "
+              "the params' dtype; pass hyperparam_dtype=jnp.float32)")
+    raise ValueError(f"{name} must be in {lo}, {hi}; got {value!r}{hint}")
 
 
 def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
@@ -81,9 +88,19 @@ def check_same_structure(name: str, tree: Any, like: Any, who: str) -> None:
   s1 = jax.tree.structure(tree)
   s2 = jax.tree.structure(like)
   if s1 != s2:
+    short = lambda s: (str(s) if len(str(s)) <= 160
+                       else str(s)[:150] + " ...")
+    extra = [x for x in jax.tree.leaves(tree)
+             if not isinstance(x, (jax.Array, np.ndarray, np.generic,
+                                   int, float, complex))]
+    hint = (" It has non-array leaves (e.g. "
+            f"{type(extra[0]).__name__}): with Equinox pass "
+            "`eqx.filter(model, eqx.is_array)` as params, the same filter as "
+            "the gradients." if extra else "")
     raise ValueError(
-        f"{who}: `{name}` must have the same tree structure as the updates;"
-        f" got {s1} vs updates {s2}")
+        f"{who}: `{name}` must have the same tree structure as the updates"
+        f" ({s1.num_leaves} vs {s2.num_leaves} leaves: {short(s1)} vs "
+        f"{short(s2)}).{hint}")
 
 
 def is_static_zero(value: Any) -> bool:
@@ -108,19 +125,109 @@ def bias_correction(decay: Any, count: jax.Array) -> jax.Array:
   return 1 - jnp.asarray(decay, jnp.float32) ** count.astype(jnp.float32)
 
 
+def ema(old: Any, new: Any, decay: Any) -> Any:
+  """Exponential moving average ``decay * old + (1 - decay) * new``."""
+  return decay * old + (1 - decay) * new
+
+
+def abs_sq(x: Any) -> Any:
+  """``|x|^2``, real: ``x * x``, or ``re(x)^2 + im(x)^2`` for complex ``x``."""
+  if jnp.iscomplexobj(x):
+    return jnp.real(x) ** 2 + jnp.imag(x) ** 2
+  return x * x
+
+
 SAMPLE_PER_LEAF = 1024
+# Every axis of a sample keeps a multiple of min(16, the axis's power-of-two
+# factor) entries, so that a sample of an axis sharded over up to 16 devices
+# (any power-of-two count dividing the axis) takes only local entries.
+_SHARD_ALIGN = 16
+
+
+def _divisors(n: int) -> list[int]:
+  small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+  return sorted(set(small + [n // d for d in small]))
+
+
+def sample_strides(shape: tuple[int, ...], max_n: int) -> tuple[int, ...]:
+  """Per-axis strides of a grid sample of about ``max_n`` entries.
+
+  The sample of a leaf is the grid ``x[o_0::s_0, o_1::s_1, ...]``: no
+  flattening and no gather, so a sharded leaf is sampled shard by shard
+  without any collective. Each stride ``s_d`` divides ``N_d / A_d`` where
+  ``A_d = min(16, largest power of two dividing N_d)``: every shard of an
+  axis split evenly over up to 16 devices then holds whole periods of the
+  grid. Strides grow on the axis with the most sampled entries first, until
+  the grid holds at most ``max_n`` entries (or no axis can grow: a leaf
+  whose axes have no such divisors is sampled more densely).
+  """
+  strides = [1] * len(shape)
+  options = []
+  for n in shape:
+    align = math.gcd(n, _SHARD_ALIGN) if n else 1
+    options.append(_divisors(n // align) if n else [1])
+
+  def size(st):
+    return math.prod(-(-n // s) for n, s in zip(shape, st))
+
+  while size(strides) > max_n:
+    order = sorted(range(len(shape)), key=lambda d: -(shape[d] // strides[d]))
+    for d in order:
+      bigger = [s for s in options[d] if s > strides[d]]
+      if bigger:
+        strides[d] = bigger[0]
+        break
+    else:
+      break
+  return tuple(strides)
+
+
+def grid_sample(x: jax.Array, strides: tuple[int, ...],
+                offsets: Any = None) -> jax.Array:
+  """The grid ``x[o_0::s_0, o_1::s_1, ...]`` (``offsets`` may be traced).
+
+  With static zero offsets this is a strided slice; with traced offsets each
+  axis ``d`` is viewed as ``(N_d / s_d, s_d)`` and the offset is a dynamic
+  index into the minor part, which a shard holds whole (see
+  :func:`sample_strides`): both are local on every shard.
+  """
+  if offsets is None:
+    return x[tuple(slice(None, None, s) for s in strides)]
+  shape, starts, sizes = [], [], []
+  for d, (n, s) in enumerate(zip(x.shape, strides)):
+    shape += [n // s, s]
+    starts += [jnp.zeros((), jnp.int32), offsets[d]]
+    sizes += [n // s, 1]
+  spec = explicit_spec(x)
+  if spec is None:
+    y = x.reshape(shape)
+  else:  # an Explicit mesh: each axis's sharding goes to its major part
+    y = jax.lax.reshape(x, shape, out_sharding=jax.sharding.PartitionSpec(
+        *[e for axis in spec for e in (axis, None)]))
+  y = jax.lax.dynamic_slice(y, starts, sizes)
+  return jax.lax.squeeze(y, tuple(range(1, 2 * x.ndim, 2)))
+
+
+def explicit_spec(x: Any) -> Any:
+  """The PartitionSpec of ``x`` on an Explicit mesh axis, else None."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None or all(s is None for s in spec):
+    return None
+  return tuple(spec) + (None,) * (jnp.ndim(x) - len(spec))
 
 
 def strided_sample(x: jax.Array, max_n: int = SAMPLE_PER_LEAF) -> jax.Array:
-  """At most ``max_n`` evenly strided entries of ``x`` (flattened).
+  """A fixed grid of at most about ``max_n`` entries of ``x`` (any shape).
 
   Diagnostics (means, standard deviations, kept fractions) are estimated on
   such samples, so that logging never adds a pass over a parameter-sized
-  array to the update.
+  array to the update; the grid is taken shard by shard on sharded leaves.
   """
-  flat = jnp.ravel(x)
-  stride = max(1, -(-flat.size // max_n))
-  return flat[::stride]
+  x = jnp.asarray(x)
+  if x.ndim == 0:
+    return x.reshape(1)
+  return grid_sample(x, sample_strides(x.shape, max_n))
 
 
 class SampledMoments:

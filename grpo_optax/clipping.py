@@ -8,14 +8,14 @@ that the rate is measurable: ``clipped / count``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from grpo_optax import _common
-from grpo_optax import _formulas as F
 
 
 class ClipWithL2State(NamedTuple):
@@ -25,35 +25,93 @@ class ClipWithL2State(NamedTuple):
   clipped: jax.Array  # shape=(), dtype=int32: steps whose norm exceeded max_norm
   last_norm: jax.Array  # shape=(), dtype=float32: global norm before clipping
 
+  def metrics(self) -> dict[str, jax.Array]:
+    return {"clip_rate": self.clipped.astype(jnp.float32) / jnp.maximum(
+        self.count.astype(jnp.float32), 1.0),
+            "clipped_steps": self.clipped, "grad_norm": self.last_norm}
+
+
+def clip_factor(norm: jax.Array, max_norm) -> jax.Array:
+  """``min(1, max_norm / norm)``: the global-norm clip as one multiplier."""
+  return jnp.minimum(1.0, max_norm / norm)
+
+
+def _leaf_sums(arrays: list[jax.Array]) -> list[jax.Array]:
+  """Float32 sums of equally shaped arrays in one variadic reduction.
+
+  All of a leaf's sums in one kernel, over every axis (no flattening, so a
+  sharded leaf reduces shard by shard plus a scalar all-reduce): XLA:CPU
+  compiles and launches every reduction separately, and the number of
+  kernel instances is what the compile time of a many-leaf model grows with.
+  """
+  arrays = [x.astype(jnp.float32) for x in arrays]
+  if len(arrays) > 1:
+    # XLA's SPMD partitioner turns a variadic reduction of a sharded array
+    # into an all-gather of the partial sums; separate sums all-reduce.
+    return [jnp.sum(x) for x in arrays]
+  zero = np.float32(0)
+  return list(jax.lax.reduce(
+      tuple(arrays), tuple(zero for _ in arrays),
+      lambda xs, ys: tuple(x + y for x, y in zip(xs, ys)),
+      tuple(range(arrays[0].ndim))))
+
+
+def _total(values: list[jax.Array]) -> jax.Array:
+  """The sum of per-leaf scalars as one dot product.
+
+  A value that depends on every leaf must reach the per-leaf kernels as one
+  materialised scalar: written as a chain of scalar additions, XLA copies the
+  chain into every leaf's kernel, and compile time grows with the square of
+  the number of leaves.
+  """
+  if not values:
+    return jnp.zeros((), jnp.float32)
+  return jnp.dot(jnp.stack(values), jnp.ones((len(values),), jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST)
+
+
+def norm_with_l2(g_leaves: list[jax.Array], p_leaves: Optional[list[Any]],
+                 l2: Any) -> jax.Array:
+  """``||g + l2 p||`` over all leaves, from reductions over the inputs only.
+
+  ``|g|^2 + 2 l2 <g, p> + l2^2 |p|^2`` (``p_leaves=None``: ``|g|^2``): every
+  reduction reads arrays already in memory, so ``g + l2 p`` is never
+  materialised for its norm (on CPU that temporary costs more than the
+  whole update).
+  """
+  per_leaf = []
+  for i, g in enumerate(g_leaves):
+    if g.size == 0:
+      continue
+    g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+    if p_leaves is None:
+      per_leaf.append(_leaf_sums([_common.abs_sq(g)])[0])
+      continue
+    p = jnp.asarray(p_leaves[i]).astype(g.dtype)
+    gg, gp, pp = _leaf_sums([_common.abs_sq(g), jnp.real(g * jnp.conj(p)),
+                             _common.abs_sq(p)])
+    per_leaf.append(gg + 2 * l2 * gp + l2 * l2 * pp)
+  return jnp.sqrt(jnp.maximum(_total(per_leaf), 0.0))
+
 
 def global_norm32(tree) -> jax.Array:
   """Global L2 norm of a tree, accumulated in float32 (0 for an empty tree)."""
-  leaves = jax.tree.leaves(tree)
-  sq = sum((_common.sum32(F.abs_sq(x)) for x in leaves),
-           jnp.zeros((), jnp.float32))
-  return jnp.sqrt(sq)
+  return norm_with_l2(jax.tree.leaves(tree), None, 0.0)
 
 
-def _norm_with_l2(updates, params, l2) -> jax.Array:
-  """``||g + l2 * p||`` from reductions over the inputs only.
-
-  ``|g|^2 + 2 l2 <g, p> + l2^2 |p|^2``: every reduction reads arrays that are
-  already in memory, so XLA never materialises ``g + l2 * p`` just to take its
-  norm (on CPU that temporary costs more than the whole update).
-  """
-  g_leaves = jax.tree.leaves(updates)
-  p_leaves = jax.tree.leaves(params)
-  zero = jnp.zeros((), jnp.float32)
-  gg = sum((_common.sum32(F.abs_sq(g)) for g in g_leaves), zero)
-  gp = sum((_common.sum32(jnp.real(g * jnp.conj(p)))
-            for g, p in zip(g_leaves, p_leaves)), zero)
-  pp = sum((_common.sum32(F.abs_sq(p)) for p in p_leaves), zero)
-  return jnp.sqrt(jnp.maximum(gg + 2 * l2 * gp + l2 * l2 * pp, 0.0))
+def next_state(state: ClipWithL2State, norm: jax.Array,
+               max_norm) -> ClipWithL2State:
+  """The state after a step whose norm before clipping was ``norm``."""
+  return ClipWithL2State(
+      count=optax.safe_increment(state.count),
+      clipped=jnp.where(norm > max_norm, optax.safe_increment(state.clipped),
+                        state.clipped),
+      last_norm=norm.astype(jnp.float32))
 
 
 def clip_with_l2(
     max_norm: float = 1.0,
-    l2: float = 0.0,
+    l2: Optional[float] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adds coupled L2 regularisation, then clips by the global norm.
 
@@ -94,8 +152,9 @@ def clip_with_l2(
     <https://arxiv.org/abs/2007.14469>`_, 2020.
   """
   _common.check_range("max_norm", max_norm, 0.0, low_inclusive=False)
-  _common.check_range("l2", l2, 0.0)
-  l2_off = _common.is_static_zero(l2)
+  if l2 is not None:
+    _common.check_range("l2", l2, 0.0)
+  l2_off = l2 is None or _common.is_static_zero(l2)
 
   max_norm = _common.f32(max_norm)
   l2 = _common.f32(l2)
@@ -109,25 +168,20 @@ def clip_with_l2(
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    if l2_off:
-      norm = global_norm32(updates)
-      scale = jnp.minimum(1.0, max_norm / norm)
-      out = jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates)
-    else:
+    leaves, treedef = jax.tree.flatten(updates)
+    p_leaves = None
+    if not l2_off:
       _common.require_params(
           params, "clip_with_l2",
-          "when l2 is non-zero or traced (pass static_args=('l2',) to"
-          " optax.inject_hyperparams to keep l2=0 static)")
+          "when l2 is non-zero or traced (pass l2=None to switch it off)")
       _common.check_same_structure("params", params, updates, "clip_with_l2")
-      norm = _norm_with_l2(updates, params, l2)
-      scale = jnp.minimum(1.0, max_norm / norm)
-      out = jax.tree.map(lambda g, p: ((g + l2 * p) * scale).astype(g.dtype),
-                         updates, params)
-    clipped = jnp.where(norm > max_norm, optax.safe_increment(state.clipped),
-                        state.clipped)
-    return out, ClipWithL2State(
-        count=optax.safe_increment(state.count),
-        clipped=clipped,
-        last_norm=norm.astype(jnp.float32))
+      p_leaves = treedef.flatten_up_to(params)
+    norm = norm_with_l2(leaves, p_leaves, l2)
+    scale = clip_factor(norm, max_norm)
+    outs = []
+    for i, g in enumerate(leaves):
+      a = g if p_leaves is None else g + l2 * p_leaves[i]
+      outs.append((a * scale).astype(g.dtype))
+    return treedef.unflatten(outs), next_state(state, norm, max_norm)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

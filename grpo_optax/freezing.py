@@ -4,7 +4,7 @@ Article 004 §3.2 sets ``layer.trainable = False`` for layers whose importance
 score falls below a threshold. As a gradient transformation this zeroes the
 updates of unimportant leaves for good; :func:`frozen_mask` exposes the
 decision so that a training step can also stop computing those gradients
-(``grpo_optax.training.frozen_step``), which is where compute is saved.
+(:func:`grpo_optax.training.frozen_train_step`), which is where compute is saved.
 """
 
 from __future__ import annotations
@@ -21,14 +21,24 @@ from grpo_optax import _common
 class FreezeBelowState(NamedTuple):
   """State of :func:`freeze_below`.
 
-  ``importance`` and ``frozen`` hold one scalar per parameter leaf, in the
-  params' tree structure (so ``optax.tree.map_params`` sees them as
-  param-shaped trees: when mapping sharding specs, give scalars ``P()``).
+  ``importance`` and ``frozen`` hold one scalar per parameter leaf, as flat
+  tuples in the params' leaf order (not trees shaped like the params, so
+  that sharding recipes such as ``optax.tree.map_params`` replicate them).
   """
 
   count: jax.Array  # shape=(), dtype=int32
-  importance: Any  # per-leaf float32 scalars: EMA of mean |g * p|
-  frozen: Any  # per-leaf bool scalars
+  importance: tuple[jax.Array, ...]  # per-leaf float32: EMA of mean |g * p|
+  frozen: tuple[jax.Array, ...]  # per-leaf bool scalars
+
+  def metrics(self) -> dict[str, jax.Array]:
+    n = len(self.frozen)
+    k = sum((f.astype(jnp.int32) for f in self.frozen),
+            jnp.zeros((), jnp.int32))
+    return {"frozen_leaves": k,
+            "frozen_fraction": k.astype(jnp.float32) / max(n, 1),
+            "importance": (jnp.stack([jnp.asarray(i, jnp.float32)
+                                      for i in self.importance]) if n
+                           else jnp.zeros((0,), jnp.float32))}
 
 
 def freeze_below(
@@ -85,8 +95,9 @@ def freeze_below(
   def init_fn(params):
     return FreezeBelowState(
         count=jnp.zeros([], jnp.int32),
-        importance=jax.tree.map(lambda _: jnp.zeros([], jnp.float32), params),
-        frozen=jax.tree.map(lambda _: jnp.zeros([], bool), params))
+        importance=tuple(jnp.zeros([], jnp.float32)
+                         for _ in jax.tree.leaves(params)),
+        frozen=tuple(jnp.zeros([], bool) for _ in jax.tree.leaves(params)))
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -96,14 +107,18 @@ def freeze_below(
     t = state.count
     leaves, treedef = jax.tree.flatten(updates)
     p_leaves = treedef.flatten_up_to(params)
-    imp = treedef.flatten_up_to(state.importance)
-    frozen = treedef.flatten_up_to(state.frozen)
+    imp, frozen = list(state.importance), list(state.frozen)
+    if len(imp) != len(leaves):
+      raise ValueError(f"freeze_below: the state was built for {len(imp)} "
+                       f"leaves but the updates have {len(leaves)}")
     bc = _common.bias_correction(decay, optax.safe_increment(t))
-    new_imp = [decay * i + (1 - decay) * _common.mean32(
-        jnp.abs(g.astype(jnp.float32) * p.astype(jnp.float32)))
+    # mean |g p| on a fixed grid sample of the leaf (local to each shard).
+    new_imp = [decay * i + (1 - decay) * _common.mean32(jnp.abs(
+        _common.strided_sample(g).astype(jnp.float32)
+        * _common.strided_sample(p).astype(jnp.float32)))
                for g, p, i in zip(leaves, p_leaves, imp)]
     # Mean over the leaves that are still trainable: a frozen leaf's gradient
-    # may no longer be computed (frozen_step), so it must not drag the mean.
+    # may no longer be computed (frozen_train_step), so it must not drag the mean.
     active = [jnp.logical_not(f).astype(jnp.float32) for f in frozen]
     mean_imp = (sum((i / bc * a for i, a in zip(new_imp, active)),
                     jnp.zeros((), jnp.float32))
@@ -114,7 +129,7 @@ def freeze_below(
     outs = [jnp.where(f, jnp.zeros_like(g), g) for g, f in zip(leaves, new_frozen)]
     return treedef.unflatten(outs), FreezeBelowState(
         count=optax.safe_increment(t),
-        importance=treedef.unflatten([i.astype(jnp.float32) for i in new_imp]),
-        frozen=treedef.unflatten(new_frozen))
+        importance=tuple(i.astype(jnp.float32) for i in new_imp),
+        frozen=tuple(new_frozen))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -30,6 +30,15 @@ class ScaleByImportanceState(NamedTuple):
   weight_std: jax.Array  # shape=(), float32: std of the weights
   score_std: jax.Array  # shape=(), float32: std of S/mean(S) over all elements
 
+  def metrics(self) -> dict[str, jax.Array]:
+    parts = [_common.strided_sample(s).astype(jnp.float32) / (
+        _common.mean32(s) + 1e-12) for s in jax.tree.leaves(self.score)
+             if s.size]
+    return {"weight_mean": self.weight_mean, "weight_std": self.weight_std,
+            "score_std": self.score_std,
+            "weights": (jnp.concatenate([x.reshape(-1) for x in parts])
+                        if parts else jnp.zeros((0,), jnp.float32))}
+
 
 def per_head(entropy: jax.Array, axis: int, ndim: int) -> jax.Array:
   """Reshapes a vector of per-head entropies to broadcast along ``axis``.

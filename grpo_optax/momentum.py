@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import optax
 
 from grpo_optax import _common
-from grpo_optax import _formulas
 from grpo_optax import quantization
 
 
@@ -27,6 +26,42 @@ class ScaleByNesterovAdamRmsState(NamedTuple):
   nu: optax.Updates  # second moment, shared by Adam and RMSProp
   filtered: Optional[optax.Updates]  # noise-filter EMA, None when disabled
   key: Optional[jax.Array] = None  # stochastic rounding's key, else None
+
+  def metrics(self) -> dict[str, jax.Array]:
+    return {}
+
+
+def nesterov_moment(mu, g, b1, bc1, bc1_next):
+  """NAdam's look-ahead ``b1 mu / bc1_next + (1 - b1) g / bc1``.
+
+  ``bc1 = 1 - b1^(t+1)``, ``bc1_next = 1 - b1^(t+2)`` (``t`` = count before
+  the step), as ``optax.scale_by_adam(nesterov=True)``.
+  """
+  return b1 * (mu / bc1_next) + (1 - b1) * (g / bc1)
+
+
+def adam_rms_mix(mu_hat, nu_hat, nu_rms, g, eps, eps_root, adam_weight):
+  """``w mu_hat / (sqrt(nu_hat + eps_root) + eps) + (1 - w) g / (sqrt(nu_rms) + eps)``."""
+  adam = mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)
+  rms = g / (jnp.sqrt(nu_rms) + eps)
+  return adam_weight * adam + (1 - adam_weight) * rms
+
+
+def moment_dtype(param_dtype, requested) -> Any:
+  """The storage dtype of a moment: ``requested``, else the param's dtype,
+  except float16, whose range (smallest normal 6e-5) underflows a squared
+  gradient: float16 params keep their moments in float32 by default."""
+  if requested is not None:
+    return jnp.dtype(requested)
+  dtype = jnp.dtype(param_dtype)
+  return jnp.dtype(jnp.float32) if dtype == jnp.float16 else dtype
+
+
+def moments_like(params, dtype) -> Any:
+  """Zero moments shaped like ``params`` in :func:`moment_dtype`."""
+  return jax.tree.map(
+      lambda p: jnp.zeros(jnp.shape(p), moment_dtype(jnp.result_type(p), dtype)),
+      params)
 
 
 def _decoded(fmt, stored):
@@ -44,6 +79,7 @@ def scale_by_nesterov_adam_rms(
     filter_decay: Optional[float] = None,
     mu_dtype: Optional[Any] = None,
     rms_bias_correction: bool = False,
+    nu_dtype: Optional[Any] = None,
     *,
     mu_format: Optional[quantization.FormatLike] = None,
     nu_format: Optional[quantization.FormatLike] = None,
@@ -84,15 +120,16 @@ def scale_by_nesterov_adam_rms(
     adam_weight: weight ``w`` of the Adam update, in [0, 1].
     nesterov: whether Adam uses Nesterov's look-ahead (NAdam).
     filter_decay: decay of the noise filter in [0, 1), or ``None`` for no filter.
-    mu_dtype: optional dtype of the first moment (e.g. ``jnp.bfloat16``).
+    mu_dtype: optional dtype of the first moment (e.g. ``jnp.bfloat16``);
+      default: the param's dtype, float32 for float16 params.
     rms_bias_correction: divide RMSProp's ``nu`` by ``1 - b2^(t+1)`` as
       Adam does (off: exactly ``optax.scale_by_rms``).
+    nu_dtype: optional dtype of the second moment; default as ``mu_dtype``.
     mu_format: storage of ``mu``: a name of
       :data:`grpo_optax.quantization.FORMAT_NAMES` (e.g. ``"int8"``) or a
-      ``StateFormat``; ``None`` keeps the params' dtype (or ``mu_dtype``).
-      Excludes ``mu_dtype``.
-    nu_format: storage of ``nu`` (e.g. ``"uint8"``); ``None``: the params'
-      dtype.
+      ``StateFormat``; ``None``: ``mu_dtype``. Excludes ``mu_dtype``.
+    nu_format: storage of ``nu`` (e.g. ``"uint8"``); ``None``: ``nu_dtype``.
+      Excludes ``nu_dtype``.
     key: PRNG key of the stochastic formats (``"bfloat16_sr"``), kept in
       the state and split every step; default ``jax.random.key(0)``.
 
@@ -131,9 +168,11 @@ def scale_by_nesterov_adam_rms(
   if not isinstance(rms_bias_correction, bool):
     raise TypeError("rms_bias_correction must be a bool, got "
                     f"{type(rms_bias_correction).__name__}")
-  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+
   if mu_dtype is not None and mu_format is not None:
     raise ValueError("give `mu_dtype` or `mu_format`, not both.")
+  if nu_dtype is not None and nu_format is not None:
+    raise ValueError("give `nu_dtype` or `nu_format`, not both.")
   mu_fmt, nu_fmt = (None if f is None else quantization.state_format(f)
                     for f in (mu_format, nu_format))
   stochastic = any(f is not None and f.stochastic for f in (mu_fmt, nu_fmt))
@@ -149,9 +188,9 @@ def scale_by_nesterov_adam_rms(
   def init_fn(params):
     return ScaleByNesterovAdamRmsState(
         count=jnp.zeros([], jnp.int32),
-        mu=(optax.tree.zeros_like(params, dtype=mu_dtype) if mu_fmt is None
+        mu=(moments_like(params, mu_dtype) if mu_fmt is None
             else quantization.tree_init(mu_fmt, params)),
-        nu=(optax.tree.zeros_like(params) if nu_fmt is None
+        nu=(moments_like(params, nu_dtype) if nu_fmt is None
             else quantization.tree_init(nu_fmt, params)),
         filtered=(None if filter_decay is None
                   else optax.tree.zeros_like(params)),
@@ -170,37 +209,36 @@ def scale_by_nesterov_adam_rms(
       g = optax.tree.cast_like(g, updates)
     else:
       g = updates
-
-    mu = optax.tree.update_moment(g, _decoded(mu_fmt, state.mu), b1, 1)
-    nu = optax.tree.update_moment_per_elem_norm(
-        g, _decoded(nu_fmt, state.nu), b2, 2)
-    bc1 = _formulas.bias_correction(b1, count_inc)
-    bc2 = _formulas.bias_correction(b2, count_inc)
+    # Moments stored wider than the gradient (float16 params) get the
+    # gradient in their dtype before it is squared.
+    mu, nu = _decoded(mu_fmt, state.mu), _decoded(nu_fmt, state.nu)
+    g = jax.tree.map(
+        lambda x, v: x.astype(jnp.promote_types(x.dtype, v.dtype)), g, nu)
+    mu = optax.tree.update_moment(g, mu, b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(g, nu, b2, 2)
+    bc1 = _common.bias_correction(b1, count_inc)
+    bc2 = _common.bias_correction(b2, count_inc)
     if nesterov:
-      bc1_next = _formulas.bias_correction(
+      bc1_next = _common.bias_correction(
           b1, optax.safe_increment(count_inc))
       mu_hat = jax.tree.map(
-          lambda m, gi: _formulas.nesterov_moment(
+          lambda m, gi: nesterov_moment(
               m, gi, b1, bc1.astype(m.dtype), bc1_next.astype(m.dtype)), mu, g)
     else:
       mu_hat = jax.tree.map(lambda m: m / bc1.astype(m.dtype), mu)
 
     def mix(m_hat, v, gi):
       v_hat = v / bc2.astype(v.dtype)
-      out = _formulas.adam_rms_mix(m_hat, v_hat,
-                                   v_hat if rms_bias_correction else v, gi,
-                                   eps, eps_root, adam_weight)
-      return out.astype(gi.dtype)
+      out = adam_rms_mix(m_hat, v_hat, v_hat if rms_bias_correction else v,
+                         gi, eps, eps_root, adam_weight)
+      return out
 
-    out = jax.tree.map(mix, mu_hat, nu, g)
+    out = jax.tree.map(lambda m, v, gi, u: mix(m, v, gi).astype(u.dtype),
+                       mu_hat, nu, g, updates)
     new_key, mu_key, nu_key = (jax.random.split(state.key, 3) if stochastic
                                else (None, None, None))
-    if mu_fmt is not None:
-      mu = quantization.tree_encode(mu_fmt, mu, key=mu_key)
-    elif mu_dtype is not None:
-      mu = optax.tree.cast(mu, mu_dtype)
-    else:
-      mu = optax.tree.cast_like(mu, state.mu)
+    mu = (optax.tree.cast_like(mu, state.mu) if mu_fmt is None
+          else quantization.tree_encode(mu_fmt, mu, key=mu_key))
     nu = (optax.tree.cast_like(nu, state.nu) if nu_fmt is None
           else quantization.tree_encode(nu_fmt, nu, key=nu_key))
     return out, ScaleByNesterovAdamRmsState(

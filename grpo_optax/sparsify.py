@@ -6,12 +6,33 @@ by a score mixing the gradient's magnitude and the parameter's update history
 of the mean gradient magnitude. Both are pinned here as masks with error
 feedback (the masked-out part is carried to the next step, so nothing is lost),
 computed per leaf: the whole model is never concatenated or sorted at once.
+
+This module is the masks' room: the transforms :func:`top_k_mask` and
+:func:`ema_threshold_mask`, their states, and the per-leaf functions
+(:func:`accumulate`, :func:`sampled_thresholds`, :func:`ema_taus`,
+:func:`keep_mask`) that the fused core of :func:`grpo_optax.grpo`
+(:mod:`grpo_optax.fused`) calls too, so that both compute one algorithm.
+
+State layout (both masks): with error feedback the state keeps the last
+step's *accumulated* gradient ``acc = g + r`` and its per-leaf threshold;
+the residual carried to the next step is the part of ``acc`` below the
+threshold (:func:`residual_of`). Storing ``acc`` rather than ``r`` lets every
+consumer of the masked gradient read the freshly written ``acc``, so XLA never
+copies a donated state buffer to keep an old value alive (see
+``docs/design.md``). A threshold below 0 marks a leaf whose accumulator holds
+its residual directly (the exact top-k and the frequency-weighted score,
+whose masks are not a threshold on ``|acc|``).
+
+Samples are grids ``x[o_0::s_0, o_1::s_1, ...]`` (:func:`grpo_optax._common.
+sample_strides`): no flattening and no gather, so a sharded leaf is sampled
+shard by shard and the only collectives of a mask are scalar all-reduces.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+import warnings
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -22,32 +43,57 @@ from grpo_optax import _common
 METHODS = ("exact", "sampled")
 _MIN_SAMPLE = 1024  # floor on the sample size of the sampled threshold
 _MAX_SAMPLE = 65536  # cap on it (the quantile error is ~0.2% there)
-_KEPT_SAMPLE = 4096  # strided sample of the kept-fraction diagnostic
 _SAMPLE_RATE = 0.01  # fraction of a leaf sampled (Deep Gradient Compression)
+_MEAN_SAMPLE = 4096  # grid sample of the threshold mask's mean |a|
 _BISECTION_STEPS = 24
+RESIDUAL_ONLY = -1.0  # threshold of a leaf whose accumulator is its residual
 
 
-class TopKMaskState(NamedTuple):
-  """State of :func:`top_k_mask`."""
-
-  count: jax.Array  # shape=(), dtype=int32
-  residual: Optional[optax.Updates]  # error-feedback memory; None when off
-  frequency: Optional[optax.Updates]  # EMA of the kept indicator; None when off
-  key: jax.Array  # shape=(2,), dtype=uint32: PRNG key of the sampled threshold
-  # shape=(), float32: kept / total at the last step (exact for the exact
-  # method, estimated on a strided sample of 4,096 entries per leaf otherwise)
-  kept_fraction: jax.Array
+# --------------------------------------------------------------------------
+# Per-element formulas.
 
 
-class EmaThresholdMaskState(NamedTuple):
-  """State of :func:`ema_threshold_mask`."""
+def keep_mask(a: Any, threshold: Any) -> Any:
+  """Entries with ``|a| >= threshold``; exact zeros are never kept."""
+  return (jnp.abs(a) >= threshold) & (a != 0)
 
-  count: jax.Array  # shape=(), dtype=int32
-  residual: Optional[optax.Updates]  # error-feedback memory; None when off
-  tau: jax.Array  # shape=(num_leaves,), float32: per-leaf thresholds
-  # shape=(), float32: kept / total at the last step, estimated on a strided
-  # sample of 4,096 entries per leaf
-  kept_fraction: jax.Array
+
+def split_by_mask(a: Any, keep: Any) -> tuple[Any, Any]:
+  """``(a where kept else 0, a where not kept else 0)``: output and residual."""
+  zero = jnp.zeros_like(a)
+  return jnp.where(keep, a, zero), jnp.where(keep, zero, a)
+
+
+def residual_of(acc: jax.Array, threshold: jax.Array) -> jax.Array:
+  """The residual held by an accumulator and its (last step's) threshold."""
+  thr = threshold.astype(acc.dtype)
+  keep = keep_mask(acc, thr) & (thr >= 0)
+  return jnp.where(keep, jnp.zeros_like(acc), acc)
+
+
+def accumulate(g: jax.Array, acc: Optional[jax.Array],
+               threshold: Optional[jax.Array]) -> jax.Array:
+  """``a = g + r``: the gradient plus the residual of the last step."""
+  if acc is None:
+    return g
+  return g + residual_of(acc, threshold).astype(g.dtype)
+
+
+def ema_threshold(tau: Any, mean_abs: Any, alpha: Any, count: Any,
+                  every: Any) -> Any:
+  """The EMA threshold after a step with count ``count`` (before the step).
+
+  ``mean_abs`` at the first step; ``alpha * mean_abs + (1 - alpha) * tau``
+  every ``every`` steps; unchanged otherwise.
+  """
+  refreshed = jnp.where(count == 0, mean_abs,
+                        alpha * mean_abs + (1 - alpha) * tau)
+  refresh = (count == 0) | (count % jnp.asarray(every, count.dtype) == 0)
+  return jnp.where(refresh, refreshed, tau)
+
+
+# --------------------------------------------------------------------------
+# Per-leaf reductions shared with the fused core.
 
 
 def static_int(name, value, low):
@@ -60,51 +106,69 @@ def static_int(name, value, low):
   return int(v)
 
 
+def warmup_fraction(fraction: Any, warmup_steps: Any, count: jax.Array) -> Any:
+  """Deep Gradient Compression's exponential sparsity warm-up.
+
+  ``fraction ** (min(t, T) / T)`` with ``T = warmup_steps`` (1 at ``t = 0``),
+  or ``fraction`` when ``warmup_steps`` is 0.
+  """
+  static = static_int("warmup_steps", warmup_steps, 0)
+  if static == 0:
+    return fraction
+  w = jnp.maximum(jnp.asarray(warmup_steps, jnp.float32), 1.0)
+  frac = jnp.asarray(fraction, jnp.float32) ** (
+      jnp.minimum(count.astype(jnp.float32), w) / w)
+  if static is None:  # traced warmup_steps: 0 means no warm-up
+    frac = jnp.where(jnp.asarray(warmup_steps) > 0, frac, fraction)
+  return frac
+
+
+def dense_leaf(size: int, min_size: Any) -> Any:
+  """Whether a leaf passes dense: True/False, or a traced bool."""
+  static = static_int("min_size", min_size, 0)
+  if size == 0:
+    return True
+  if static is not None:
+    return size < static
+  return size < jnp.asarray(min_size)
+
+
 def sample_size(n: int) -> int:
   """Size of the random sample of the sampled threshold for a leaf of ``n``."""
-  return min(n, max(_MIN_SAMPLE, min(_MAX_SAMPLE, math.ceil(_SAMPLE_RATE * n))))
+  return min(n, max(_MIN_SAMPLE, min(_MAX_SAMPLE,
+                                     math.ceil(_SAMPLE_RATE * n))))
 
 
-def draw_sample(score: jax.Array, key: Optional[jax.Array] = None, *,
-                uniform: Optional[jax.Array] = None) -> jax.Array:
-  """``max(1024, n/100)`` (at most 65,536) random entries of a flat ``score``.
+def _random_offsets(seed: Any, count: jax.Array, strides_list) -> list[Any]:
+  """One draw per step for every axis of every sampled leaf."""
+  n_axes = sum(len(s) for s in strides_list)
+  if not n_axes:
+    return [None] * len(strides_list)
+  key = jax.random.PRNGKey(jnp.asarray(seed, jnp.uint32))
+  bits = jax.random.bits(jax.random.fold_in(key, count),
+                         (n_axes,), jnp.uint32)
+  out, j = [], 0
+  for strides in strides_list:
+    offs = [(bits[j + d] % jnp.uint32(s)).astype(jnp.int32)
+            for d, s in enumerate(strides)]
+    j += len(strides)
+    out.append(None if all(s == 1 for s in strides) else offs)
+  return out
 
-  Small leaves (``n <= 1024``) are used whole. The positions come from
-  ``key``, or from ``uniform``: ``m`` uniform [0, 1) numbers (so that one
-  random draw can serve all leaves).
+
+def random_samples(scores: list[jax.Array], seed: int,
+                   count: jax.Array) -> list[jax.Array]:
+  """A random grid of ``max(1024, n/100)`` (at most 65,536) entries per leaf.
+
+  The grid's strides are fixed by the leaf's shape; its offsets are drawn
+  afresh every step from ``(seed, count)``, one draw for all leaves, so a
+  transform and the fused core given the same seed sample the same entries.
   """
-  n = score.shape[0]
-  m = sample_size(n)
-  if m == n:
-    return score
-  if uniform is None:
-    uniform = jax.random.uniform(key, (m,))
-  return score[sample_positions(n, uniform)]
-
-
-def strided_positions(n: int, m: int, start: jax.Array) -> jax.Array:
-  """``m`` distinct positions in ``[0, n)``: every s-th from a random start.
-
-  ``s`` is the smallest integer >= n / m that is coprime with ``n``, so the
-  positions wrap around without repeating and visit every residue class of
-  any divisor of ``n`` (every column of a row-major matrix) about equally.
-
-  Args:
-    n: the leaf's size.
-    m: the sample size, ``m <= n``.
-    start: a uniform [0, 1) scalar; the first position is ``floor(start n)``.
-  """
-  stride = max(1, n // m)
-  while math.gcd(stride, n) != 1:
-    stride += 1
-  first = jnp.minimum((start * n).astype(jnp.int32), n - 1)
-  steps = jnp.arange(m, dtype=jnp.int32) * stride % n
-  return (first + steps) % n
-
-
-def sample_positions(n: int, uniform: jax.Array) -> jax.Array:
-  """Positions in ``[0, n)`` from uniform [0, 1) numbers (one per sample)."""
-  return jnp.minimum((uniform * n).astype(jnp.int32), n - 1)
+  strides = [_common.sample_strides(x.shape, sample_size(x.size))
+             for x in scores]
+  offsets = _random_offsets(seed, count, strides)
+  return [_common.grid_sample(x, s, o) if o is not None else x
+          for x, s, o in zip(scores, strides, offsets)]
 
 
 def bisect_thresholds(samples: list[jax.Array], fraction) -> list[jax.Array]:
@@ -113,21 +177,22 @@ def bisect_thresholds(samples: list[jax.Array], fraction) -> list[jax.Array]:
   24 bisection steps between the sample's min and max, counting entries
   ``>= mid``: O(m) per step and no sort. All samples share one loop whose
   carry holds one ``(lo, hi)`` pair per sample, and each sample is counted by
-  its own reduction: the compiled kernels then depend on the samples' sizes
-  only, so XLA compiles one per size, not one per leaf (slicing per-leaf
-  values out of a stacked vector would make every leaf's kernels distinct).
+  its own reduction (over all of its axes, so a sharded sample is counted
+  shard by shard plus a scalar all-reduce): the compiled kernels depend on
+  the samples' shapes only, so XLA compiles one per shape, not one per leaf.
 
   Args:
-    samples: flat float arrays.
+    samples: float arrays of any shape.
     fraction: the fraction to keep, in (0, 1] (may be traced).
 
   Returns:
-    One scalar threshold per sample (-inf when ``fraction >= 1``).
+    One scalar threshold per sample (0, i.e. keep every non-zero entry, when
+    ``fraction >= 1``).
   """
   if not samples:
     return []
   samples = [x.astype(jnp.float32) for x in samples]
-  targets = [fraction * x.shape[0] for x in samples]
+  targets = [fraction * x.size for x in samples]
 
   def body(_, bounds):
     out = []
@@ -143,37 +208,197 @@ def bisect_thresholds(samples: list[jax.Array], fraction) -> list[jax.Array]:
   # Keeping everything (a warm-up's first step) must not drop the entries
   # that lie below the sample's minimum.
   keep_all = jnp.asarray(fraction) >= 1
-  return [jnp.where(keep_all, -jnp.inf, lo) for lo, _ in bounds]
+  return [jnp.where(keep_all, 0.0, lo) for lo, _ in bounds]
 
 
-def sampled_threshold(score: jax.Array, fraction, key: jax.Array) -> jax.Array:
-  """Estimates the ``1 - fraction`` quantile of ``score`` from a sample.
+def sampled_thresholds(abs_leaves: list[jax.Array], fraction, seed: int,
+                       count: jax.Array) -> list[jax.Array]:
+  """Per leaf, the threshold on ``|a|`` that keeps about ``fraction``."""
+  return bisect_thresholds(random_samples(abs_leaves, seed, count), fraction)
 
-  Draws ``max(1024, 1% of n)`` entries, at most 65,536 (all of them for small
-  leaves), and bisects 24 times on the sample for the value above which
-  ``fraction`` of it lies: O(n) work, no sort.
 
-  Args:
-    score: a flat array of scores.
-    fraction: the fraction to keep, in (0, 1].
-    key: a PRNG key (``uint32[2]``).
+def ema_taus(abs_leaves: list[jax.Array], taus: list[jax.Array], alpha,
+             count: jax.Array, every) -> list[jax.Array]:
+  """Per leaf, the EMA threshold ``tau`` after this step.
 
-  Returns:
-    A scalar threshold; ``score >= threshold`` keeps about ``fraction`` of it.
+  ``mean|a|`` comes from a fixed grid of about 4,096 entries of the leaf (one
+  reduction, local to each shard plus a scalar all-reduce).
   """
-  return bisect_thresholds([draw_sample(score, key)], fraction)[0]
+  out = []
+  for x, tau in zip(abs_leaves, taus):
+    mean_abs = jnp.mean(_common.strided_sample(x, _MEAN_SAMPLE),
+                        dtype=jnp.float32)
+    out.append(ema_threshold(tau, mean_abs, alpha, count,
+                             every).astype(jnp.float32))
+  return out
+
+
+def sampled_kept(a: jax.Array, threshold: jax.Array) -> jax.Array:
+  """Kept fraction of a leaf estimated on a fixed grid of ~4,096 entries."""
+  x = _common.strided_sample(a, _MEAN_SAMPLE)
+  return jnp.mean(keep_mask(x, threshold.astype(x.dtype)), dtype=jnp.float32)
+
+
+def exact_kept_fraction(accumulator, thresholds) -> jax.Array:
+  """Exact kept fraction of the last step, from an accumulator state."""
+  kept, total = jnp.zeros((), jnp.float32), 0
+  for a, th in zip(jax.tree.leaves(accumulator), thresholds):
+    n = jnp.sum(keep_mask(a, th.astype(a.dtype)) & (th >= 0),
+                dtype=jnp.float32)
+    kept = kept + jnp.where(th >= 0, n, a.size - jnp.sum(a != 0,
+                                                         dtype=jnp.float32))
+    total += a.size
+  return kept / total if total else jnp.ones((), jnp.float32)
+
+
+def _residual_tree(accumulator, thresholds):
+  if accumulator is None:
+    return None
+  leaves, treedef = jax.tree.flatten(accumulator)
+  return treedef.unflatten([residual_of(a, t)
+                            for a, t in zip(leaves, thresholds)])
+
+
+def _mask_metrics(state) -> dict[str, jax.Array]:
+  out = {"kept_fraction": state.kept_fraction}
+  res = state.residual
+  if res is not None:
+    out["residual_norm"] = jnp.sqrt(sum(
+        (jnp.sum(_common.abs_sq(x), dtype=jnp.float32)
+         for x in jax.tree.leaves(res)), jnp.zeros((), jnp.float32)))
+  return out
+
+
+# --------------------------------------------------------------------------
+# States.
+
+
+class TopKMaskState(NamedTuple):
+  """State of :func:`top_k_mask` (and of the fused core's top-k)."""
+
+  count: jax.Array  # shape=(), dtype=int32
+  # Error feedback (None when off): the last step's a = g + r, or for leaves
+  # whose threshold is < 0, the residual itself.
+  accumulator: Optional[optax.Updates]
+  thresholds: tuple[jax.Array, ...]  # per-leaf float32 scalars, tree order
+  frequency: Optional[optax.Updates]  # EMA of the kept indicator; None off
+  # shape=(), float32: kept / total at the last step (exact for the exact
+  # method, estimated on a grid of ~4,096 entries per leaf otherwise)
+  kept_fraction: jax.Array
+
+  @property
+  def residual(self) -> Optional[optax.Updates]:
+    """The error-feedback residual carried to the next step (None if off)."""
+    return _residual_tree(self.accumulator, self.thresholds)
+
+  def metrics(self) -> dict[str, jax.Array]:
+    return _mask_metrics(self)
+
+
+class EmaThresholdMaskState(NamedTuple):
+  """State of :func:`ema_threshold_mask` (and of the fused core's)."""
+
+  count: jax.Array  # shape=(), dtype=int32
+  accumulator: Optional[optax.Updates]  # as in TopKMaskState
+  thresholds: tuple[jax.Array, ...]  # per-leaf float32: scale * tau
+  tau: tuple[jax.Array, ...]  # per-leaf float32 EMA thresholds, tree order
+  kept_fraction: jax.Array  # shape=(), float32, estimated on grid samples
+
+  @property
+  def residual(self) -> Optional[optax.Updates]:
+    """The error-feedback residual carried to the next step (None if off)."""
+    return _residual_tree(self.accumulator, self.thresholds)
+
+  def metrics(self) -> dict[str, jax.Array]:
+    out = _mask_metrics(self)
+    out["tau_mean"] = (sum(self.tau) / len(self.tau) if self.tau
+                       else jnp.zeros((), jnp.float32))
+    return out
+
+
+def _scalars(params, value=0.0) -> tuple[jax.Array, ...]:
+  # Per-leaf scalars are a flat tuple, not a tree shaped like params, so
+  # sharding recipes (optax.tree.map_params) replicate them.
+  return tuple(jnp.asarray(value, jnp.float32)
+               for _ in jax.tree.leaves(params))
+
+
+def _check_leaves(who, state_thresholds, leaves):
+  if len(state_thresholds) != len(leaves):
+    raise ValueError(
+        f"{who}: the state was built for {len(state_thresholds)} leaves but"
+        f" the updates have {len(leaves)}")
+
+
+def _flat_or_none(tree, treedef, n):
+  return [None] * n if tree is None else treedef.flatten_up_to(tree)
+
+
+# --------------------------------------------------------------------------
+# Top-k.
 
 
 def _exact_mask(score: jax.Array, fraction, static_k: Optional[int]):
   """Boolean mask of the ``k = ceil(fraction * n)`` largest scores (exactly k)."""
-  n = score.shape[0]
+  flat = score.reshape(-1)
+  n = flat.shape[0]
   if static_k is not None:
-    _, idx = jax.lax.top_k(score, static_k)
-    return jnp.zeros((n,), bool).at[idx].set(True)
-  k = jnp.ceil(fraction * n).astype(jnp.int32)
-  order = jnp.argsort(-score, stable=True)
-  ranks = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
-  return ranks < k
+    _, idx = jax.lax.top_k(flat, static_k)
+    keep = jnp.zeros((n,), bool).at[idx].set(True)
+  else:
+    k = jnp.ceil(fraction * n).astype(jnp.int32)
+    order = jnp.argsort(-flat, stable=True)
+    ranks = jnp.zeros((n,), jnp.int32).at[order].set(
+        jnp.arange(n, dtype=jnp.int32))
+    keep = ranks < k
+  return keep.reshape(score.shape)
+
+
+def _warn_if_sharded(x: jax.Array) -> None:
+  if _common.explicit_spec(x) is not None:
+    raise ValueError(
+        "top_k_mask(method='exact') sorts whole leaves and cannot take a "
+        f"leaf sharded on an Explicit mesh (spec {_common.explicit_spec(x)});"
+        " use method='sampled' (grpo's default) for sharded parameters")
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is not None and not mesh.empty and x.size > 1:
+    warnings.warn(
+        "top_k_mask(method='exact') sorts a whole leaf: on a sharded leaf XLA "
+        "gathers it onto every device. Use method='sampled' for sharded "
+        "parameters.", UserWarning, stacklevel=4)
+
+
+def _score_masks(a_leaves, dense, frac, method, static_fraction, freq,
+                 frequency_weight, seed, t):
+  # static_fraction: the kept fraction as a Python float when it is static
+  # (no warm-up, not traced), else None.
+  """Masks of the exact or frequency-weighted top-k (not a threshold on |a|)."""
+  keeps, kept = [], []
+  for a, d, f in zip(a_leaves, dense, freq):
+    if d is True:
+      keeps.append(jnp.ones(a.shape, bool))
+      kept.append(jnp.ones((), jnp.float32))
+      continue
+    score = jnp.abs(a).astype(jnp.float32)
+    if f is not None:
+      score = ((1 - frequency_weight) * score / (jnp.mean(score) + 1e-30)
+               - frequency_weight * f)
+    if method == "exact":
+      _warn_if_sharded(a)
+      static_k = (None if static_fraction is None
+                  else math.ceil(static_fraction * a.size))
+      keep = _exact_mask(score, frac, static_k) & (a != 0)
+      k = jnp.sum(keep, dtype=jnp.float32) / a.size
+    else:
+      thr = sampled_thresholds([score - jnp.min(score)], frac, seed, t)[0]
+      keep = (score - jnp.min(score) >= thr) & (a != 0)
+      k = sampled_kept(jnp.where(keep, 1.0, 0.0), jnp.asarray(0.5))
+    if d is not False:  # traced min_size
+      keep = keep | d
+      k = jnp.where(d, 1.0, k)
+    keeps.append(keep)
+    kept.append(k)
+  return keeps, kept
 
 
 def top_k_mask(
@@ -193,6 +418,7 @@ def top_k_mask(
   ``error_feedback=False``):
 
   .. math::
+
     a = g + r,\qquad \text{score} = |a| \;\text{ or, with } b > 0,\;
     (1-b)\,|a|/\operatorname{mean}|a| - b f
 
@@ -200,21 +426,22 @@ def top_k_mask(
 
   where ``keep`` marks the ``k = ceil(fraction * n)`` largest scores
   (``method="exact"``: exactly ``k``, ties broken by position, via
-  ``lax.top_k``, which sorts the leaf) or the scores above a threshold
-  estimated from a random sample of ``max(1024, n/100)`` entries by bisection
-  (``method="sampled"``: O(n), keeps about ``k``; the key lives in the state).
-  ``f`` is the EMA (decay ``frequency_decay``) of the kept indicator, so with
+  ``lax.top_k``, which sorts the whole leaf: on a sharded leaf XLA gathers
+  it, so it warns when it can see a mesh) or the scores above a threshold
+  bisected on a random grid sample of ``max(1024, n/100)`` entries
+  (``method="sampled"``: O(n), keeps about ``k``; the grid's offsets are
+  drawn every step from ``(seed, count)``; the grid is taken shard by shard
+  on a sharded leaf). Exact zeros are never kept. ``f`` is the EMA (decay
+  ``frequency_decay``) of the kept indicator, so with
   ``frequency_weight = b > 0`` entries updated often yield to rarely updated
-  ones (the article's "update frequency" term). ``frequency_weight=None`` (the
-  default) switches the term off and keeps no frequency buffer; any number,
-  0 included, keeps one (so that ``optax.inject_hyperparams``, which turns
-  numbers into arrays, gives the same state as the plain transform).
+  ones (the article's "update frequency" term). ``frequency_weight=None``
+  (the default) switches the term off and keeps no frequency buffer.
 
-  With error feedback nothing is lost: ``sum_t out_t + r_T == sum_t g_t``.
-  Leaves with ``n < min_size`` pass dense. During the first ``warmup_steps``
-  steps the kept fraction ramps exponentially from 1 to ``fraction``,
-  ``fraction ** (t / warmup_steps)`` (Deep Gradient Compression's sparsity
-  warm-up).
+  With error feedback nothing is lost: ``sum_t out_t + r_T == sum_t g_t``
+  (``state.residual`` is ``r_T``). Leaves with ``n < min_size`` pass dense.
+  During the first ``warmup_steps`` steps the kept fraction ramps
+  exponentially from 1 to ``fraction``, ``fraction ** (t / warmup_steps)``
+  (Deep Gradient Compression's sparsity warm-up).
 
   Args:
     fraction: kept fraction, in (0, 1].
@@ -224,7 +451,7 @@ def top_k_mask(
     min_size: leaves smaller than this pass dense, int >= 0.
     warmup_steps: length of the sparsity warm-up, int >= 0.
     frequency_decay: EMA decay of the kept indicator, in [0, 1).
-    seed: seed of the sampling key.
+    seed: seed of the sample's offsets, int >= 0.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -251,14 +478,15 @@ def top_k_mask(
     _common.check_range("frequency_weight", frequency_weight, 0.0, 1.0)
   _common.check_range("frequency_decay", frequency_decay, 0.0, 1.0,
                       high_inclusive=False)
-  static_min_size = static_int("min_size", min_size, 0)
+  static_int("min_size", min_size, 0)
   static_warmup = static_int("warmup_steps", warmup_steps, 0)
   static_int("seed", seed, 0)
   if not isinstance(error_feedback, bool):
     raise TypeError("error_feedback must be a bool")
-  static_fraction = _common.concrete_value(fraction)
-  # Structural choice from a static value (None or not), never from a number.
+  static_fraction = (_common.concrete_value(fraction) if static_warmup == 0
+                     else None)
   use_frequency = frequency_weight is not None
+  by_threshold = method == "sampled" and not use_frequency
   fraction = _common.f32(fraction)
   frequency_weight = _common.f32(frequency_weight)
   frequency_decay = _common.f32(frequency_decay)
@@ -266,112 +494,91 @@ def top_k_mask(
   def init_fn(params):
     return TopKMaskState(
         count=jnp.zeros([], jnp.int32),
-        residual=optax.tree.zeros_like(params) if error_feedback else None,
+        accumulator=optax.tree.zeros_like(params) if error_feedback else None,
+        thresholds=_scalars(params),
         frequency=(optax.tree.zeros_like(params, dtype=jnp.float32)
                    if use_frequency else None),
-        key=jax.random.PRNGKey(seed),
         kept_fraction=jnp.ones([], jnp.float32))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    use_frequency = state.frequency is not None
     t = state.count
-    if static_warmup == 0:
-      frac = fraction
-    else:
-      w = jnp.maximum(jnp.asarray(warmup_steps, jnp.float32), 1.0)
-      frac = jnp.asarray(fraction, jnp.float32) ** (
-          jnp.minimum(t.astype(jnp.float32), w) / w)
-      if static_warmup is None:  # traced warmup_steps: 0 means no warm-up
-        frac = jnp.where(jnp.asarray(warmup_steps) > 0, frac, fraction)
-    dynamic_frac = static_warmup != 0 or static_fraction is None
-
     leaves, treedef = jax.tree.flatten(updates)
-    res = (treedef.flatten_up_to(state.residual) if error_feedback
-           else [None] * len(leaves))
-    freq = (treedef.flatten_up_to(state.frequency) if use_frequency
-            else [None] * len(leaves))
-    key, sample_key = jax.random.split(state.key)
-    # One random draw for every sampled leaf (a draw per leaf would multiply
-    # the compiled program by the number of leaves).
-    sizes = [sample_size(g.size) for g in leaves]
-    offsets = [0]
-    for g, m in zip(leaves, sizes):
-      offsets.append(offsets[-1] + (m if method == "sampled" and m < g.size else 0))
-    uniform = (jax.random.uniform(sample_key, (offsets[-1],))
-               if offsets[-1] else None)
-
-    # Phase 1: scores, and the samples of the leaves that use a threshold.
-    entries = []
-    for i, (g, r, f) in enumerate(zip(leaves, res, freq)):
-      n = g.size
-      a = g if r is None else (g + r).astype(g.dtype)
-      dense = n == 0 or (static_min_size is not None and n < static_min_size)
-      score = sample = None
-      if not dense:
-        score = jnp.abs(a.reshape(-1)).astype(jnp.float32)
-        if use_frequency:
-          score = ((1 - frequency_weight) * score / (jnp.mean(score) + 1e-30)
-                   - frequency_weight * f.reshape(-1))
-        if method == "sampled":
-          sample = draw_sample(score, uniform=(
-              None if offsets[i + 1] == offsets[i]
-              else uniform[offsets[i]:offsets[i + 1]]))
-      entries.append((g, r, f, a, dense, score, sample))
-    sampled = [e[6] for e in entries if e[6] is not None]
-    thresholds = iter(bisect_thresholds(sampled, frac) if sampled else [])
-
-    # Phase 2: masks, outputs and residuals.
-    outs, new_res, new_freq = [], [], []
-    kept = jnp.zeros((), jnp.float32)
-    total = 0
-    for g, r, f, a, dense, score, sample in entries:
-      n = g.size
-      total += n
-      if dense:
-        keep = jnp.ones(g.shape, bool)
-        kept_n = jnp.asarray(n, jnp.float32)
-      else:
-        if method == "exact":
-          static_k = None if dynamic_frac else math.ceil(static_fraction * n)
-          keep = _exact_mask(score, frac, static_k)
-          kept_n = (jnp.asarray(static_k, jnp.float32) if static_k is not None
-                    else jnp.ceil(frac * n))
-        else:
-          thr = next(thresholds)
-          # Entries that are exactly zero carry nothing: a mass of zeros (e.g.
-          # unused embedding rows) must not drag the threshold to 0 and be
-          # "kept" wholesale.
-          nonzero = a.reshape(-1) != 0
-          keep = (score >= thr) & nonzero
-          # Estimated on a strided sample: no extra pass over the leaf.
-          kept_n = n * jnp.mean(
-              (_common.strided_sample(score, _KEPT_SAMPLE) >= thr)
-              & (_common.strided_sample(nonzero, _KEPT_SAMPLE)),
-              dtype=jnp.float32)
-        keep = keep.reshape(g.shape)
-        if static_min_size is None:  # traced min_size
-          is_small = n < jnp.asarray(min_size)
-          keep = keep | is_small
-          kept_n = jnp.where(is_small, n, kept_n)
-      out = jnp.where(keep, a, jnp.zeros_like(a))
+    _check_leaves("top_k_mask", state.thresholds, leaves)
+    accs = _flat_or_none(state.accumulator, treedef, len(leaves))
+    freq = _flat_or_none(state.frequency, treedef, len(leaves))
+    frac = warmup_fraction(fraction, warmup_steps, t)
+    a_leaves = [accumulate(g, acc, th).astype(g.dtype)
+                for g, acc, th in zip(leaves, accs, state.thresholds)]
+    dense = [dense_leaf(g.size, min_size) for g in leaves]
+    if by_threshold:
+      thr = topk_leaf_thresholds(a_leaves, dense, frac, seed, t)
+      keeps = [keep_mask(a, th.astype(a.dtype)) for a, th in zip(a_leaves, thr)]
+      kept = [sampled_kept(a, th) for a, th in zip(a_leaves, thr)]
+    else:
+      keeps, kept = _score_masks(a_leaves, dense, frac, method,
+                                 static_fraction, freq, frequency_weight,
+                                 seed, t)
+      thr = [jnp.asarray(RESIDUAL_ONLY, jnp.float32)] * len(leaves)
+    outs, new_acc = [], []
+    for a, keep, acc in zip(a_leaves, keeps, accs):
+      out, res = split_by_mask(a, keep)
       outs.append(out)
-      if r is not None:
-        new_res.append(jnp.where(keep, jnp.zeros_like(a), a).astype(r.dtype))
-      if f is not None:
-        new_freq.append(frequency_decay * f + (1 - frequency_decay) * keep)
-      kept = kept + kept_n
-
-    new_state = TopKMaskState(
+      if acc is not None:
+        new_acc.append((a if by_threshold else res).astype(acc.dtype))
+    new_freq = None
+    if use_frequency:
+      new_freq = treedef.unflatten([
+          _common.ema(f, k, frequency_decay).astype(jnp.float32)
+          for f, k in zip(freq, keeps)])
+    return treedef.unflatten(outs), TopKMaskState(
         count=optax.safe_increment(t),
-        residual=treedef.unflatten(new_res) if error_feedback else None,
-        frequency=(treedef.unflatten([x.astype(jnp.float32) for x in new_freq])
-                   if use_frequency else None),
-        key=key,
-        kept_fraction=kept / max(total, 1) if total else jnp.ones([], jnp.float32))
-    return treedef.unflatten(outs), new_state
+        accumulator=treedef.unflatten(new_acc) if error_feedback else None,
+        thresholds=tuple(jnp.asarray(x, jnp.float32) for x in thr),
+        frequency=new_freq,
+        kept_fraction=size_weighted(kept, [g.size for g in leaves]))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def size_weighted(values: list[jax.Array], sizes: list[int]) -> jax.Array:
+  """``sum(n_i v_i) / sum(n_i)`` as one dot product (1 for no entries)."""
+  total = sum(sizes)
+  if not total:
+    return jnp.ones((), jnp.float32)
+  return jnp.dot(jnp.stack([jnp.asarray(v, jnp.float32) for v in values]),
+                 jnp.asarray([n / total for n in sizes], jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST)
+
+
+def topk_leaf_thresholds(a_leaves, dense, frac, seed, t) -> list[jax.Array]:
+  """Thresholds of the sampled top-k: 0 (keep all) on dense leaves."""
+  masked = [i for i, d in enumerate(dense) if d is not True]
+  found = sampled_thresholds([jnp.abs(a_leaves[i]) for i in masked], frac,
+                             seed, t)
+  thr = [jnp.zeros((), jnp.float32)] * len(a_leaves)
+  for i, th in zip(masked, found):
+    thr[i] = th if dense[i] is False else jnp.where(dense[i], 0.0, th)
+  return thr
+
+
+# --------------------------------------------------------------------------
+# EMA threshold.
+
+
+def threshold_leaf_thresholds(a_leaves, dense, taus, alpha, t, every,
+                              scale) -> tuple[list, list]:
+  """``(thresholds, new taus)`` of the EMA threshold: 0 on dense leaves."""
+  masked = [i for i, d in enumerate(dense) if d is not True]
+  new = ema_taus([jnp.abs(a_leaves[i]) for i in masked],
+                 [taus[i] for i in masked], alpha, t, every)
+  thr = [jnp.zeros((), jnp.float32)] * len(a_leaves)
+  tau = list(taus)
+  for i, tv in zip(masked, new):
+    tau[i] = tv
+    th = (scale * tv).astype(jnp.float32)
+    thr[i] = th if dense[i] is False else jnp.where(dense[i], 0.0, th)
+  return thr, tau
 
 
 def ema_threshold_mask(
@@ -379,6 +586,7 @@ def ema_threshold_mask(
     every: int = 100,
     scale: float = 1.0,
     error_feedback: bool = True,
+    min_size: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Keeps entries whose magnitude exceeds a slowly moving per-leaf threshold.
 
@@ -386,6 +594,7 @@ def ema_threshold_mask(
   before this step:
 
   .. math::
+
     a = g + r,\qquad
     \tau \leftarrow \begin{cases}
       \operatorname{mean}|a| & t = 0\\
@@ -394,16 +603,18 @@ def ema_threshold_mask(
 
     \text{out} = a \odot [\,|a| \ge c\,\tau\,],\qquad r \leftarrow a - \text{out}
 
-  with ``N = every`` and ``c = scale``. One O(n) pass, no sort; the mean is
-  only computed on the steps that move ``τ`` (a ``lax.cond``). The kept
-  fraction is whatever the threshold gives: it drifts when the gradient scale
-  drifts between refreshes, so the state reports it (``kept_fraction``).
+  with ``N = every`` and ``c = scale``. One O(n) pass, no sort;
+  ``mean|a|`` is estimated on a fixed grid of about 4,096 entries of the
+  leaf. The kept fraction is whatever the threshold gives: it drifts when
+  the gradient scale drifts between refreshes, so the state reports it
+  (``kept_fraction``). Leaves with ``n < min_size`` pass dense.
 
   Args:
     alpha: EMA weight of the new mean, in (0, 1] (article: 0.7).
     every: refresh period ``N`` in steps, int >= 1 (article: 100).
     scale: multiplier ``c`` of the threshold, >= 0.
     error_feedback: carry the masked-out part to the next step.
+    min_size: leaves smaller than this pass dense, int >= 0.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -414,7 +625,7 @@ def ema_threshold_mask(
     >>> g = {"w": jnp.array([0.1, -3.0, 2.0, 0.5])}
     >>> out, state = tx.update(g, tx.init(g))
     >>> out["w"], state.tau
-    (Array([ 0., -3.,  2.,  0.], dtype=float32), Array([1.4], dtype=float32))
+    (Array([ 0., -3.,  2.,  0.], dtype=float32), (Array(1.4, dtype=float32),))
 
   References:
     Lin et al., `Deep Gradient Compression
@@ -425,63 +636,43 @@ def ema_threshold_mask(
   _common.check_range("alpha", alpha, 0.0, 1.0, low_inclusive=False)
   static_int("every", every, 1)
   _common.check_range("scale", scale, 0.0)
+  static_int("min_size", min_size, 0)
   if not isinstance(error_feedback, bool):
     raise TypeError("error_feedback must be a bool")
   alpha = _common.f32(alpha)
   scale = _common.f32(scale)
 
   def init_fn(params):
-    n_leaves = len(jax.tree.leaves(params))
     return EmaThresholdMaskState(
         count=jnp.zeros([], jnp.int32),
-        residual=optax.tree.zeros_like(params) if error_feedback else None,
-        tau=jnp.zeros((n_leaves,), jnp.float32),
+        accumulator=optax.tree.zeros_like(params) if error_feedback else None,
+        thresholds=_scalars(params),
+        tau=_scalars(params),
         kept_fraction=jnp.ones([], jnp.float32))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     t = state.count
     leaves, treedef = jax.tree.flatten(updates)
-    if state.tau.shape != (len(leaves),):
-      raise ValueError(
-          f"ema_threshold_mask: the state was built for {state.tau.shape[0]}"
-          f" leaves but the updates have {len(leaves)}")
-    res = (treedef.flatten_up_to(state.residual) if error_feedback
-           else [None] * len(leaves))
-    a_leaves = [g if r is None else (g + r).astype(g.dtype)
-                for g, r in zip(leaves, res)]
-    refresh = (t == 0) | (t % jnp.asarray(every, t.dtype) == 0)
-
-    old_tau = [state.tau[i] for i in range(len(leaves))]
-
-    def new_tau(a_leaves):
-      # Per-leaf scalars, not one stacked vector: XLA would otherwise fuse the
-      # vector's computation (all leaves' means) into every leaf's mask.
-      return tuple(
-          jnp.where(t == 0, m, alpha * m + (1 - alpha) * old).astype(jnp.float32)
-          for m, old in zip((_common.mean32(jnp.abs(a)) for a in a_leaves),
-                            old_tau))
-
-    tau = jax.lax.cond(refresh, new_tau, lambda _: tuple(old_tau), a_leaves)
-    outs, new_res = [], []
-    kept = jnp.zeros((), jnp.float32)
-    total = 0
-    for i, (a, r) in enumerate(zip(a_leaves, res)):
-      thr = (scale * tau[i]).astype(a.dtype)
-      keep = (jnp.abs(a) >= thr) & (a != 0)  # zeros carry nothing
+    _check_leaves("ema_threshold_mask", state.tau, leaves)
+    accs = _flat_or_none(state.accumulator, treedef, len(leaves))
+    a_leaves = [accumulate(g, acc, th).astype(g.dtype)
+                for g, acc, th in zip(leaves, accs, state.thresholds)]
+    dense = [dense_leaf(g.size, min_size) for g in leaves]
+    thr, tau = threshold_leaf_thresholds(a_leaves, dense, list(state.tau),
+                                         alpha, t, every, scale)
+    outs, new_acc, kept = [], [], []
+    for a, th, acc in zip(a_leaves, thr, accs):
+      keep = keep_mask(a, th.astype(a.dtype))
       outs.append(jnp.where(keep, a, jnp.zeros_like(a)))
-      if r is not None:
-        new_res.append(jnp.where(keep, jnp.zeros_like(a), a).astype(r.dtype))
-      # Estimated on a strided sample: no extra pass over the leaf.
-      a_s = _common.strided_sample(a, _KEPT_SAMPLE)
-      kept = kept + a.size * jnp.mean((jnp.abs(a_s) >= thr) & (a_s != 0),
-                                      dtype=jnp.float32)
-      total += a.size
-    new_state = EmaThresholdMaskState(
+      kept.append(sampled_kept(a, th))
+      if acc is not None:
+        new_acc.append(a.astype(acc.dtype))
+    return treedef.unflatten(outs), EmaThresholdMaskState(
         count=optax.safe_increment(t),
-        residual=treedef.unflatten(new_res) if error_feedback else None,
-        tau=(jnp.stack(tau) if tau else state.tau),
-        kept_fraction=kept / max(total, 1) if total else jnp.ones([], jnp.float32))
-    return treedef.unflatten(outs), new_state
+        accumulator=treedef.unflatten(new_acc) if error_feedback else None,
+        thresholds=tuple(thr),
+        tau=tuple(tau),
+        kept_fraction=size_weighted(kept, [g.size for g in leaves]))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -28,6 +28,9 @@ class ScaleByVarianceLrState(NamedTuple):
   variance: jax.Array  # shape=(), dtype=float32: mean variance (diagnostic)
   lr_scale: jax.Array  # shape=(), dtype=float32: mean 1/(1+coef*var) (diagnostic)
 
+  def metrics(self) -> dict[str, jax.Array]:
+    return {"variance": self.variance, "lr_scale": self.lr_scale}
+
 
 def _reduce(values, sizes, reduction):
   """Reduces a list of per-leaf arrays: element (none), leaf or global mean."""

@@ -1,6 +1,6 @@
 """grpo(**kw) is the chain of its stages, with every keyword at its stage.
 
-The wiring table below is the specification (SPEC §1, "Preset"): which stage
+The wiring table below is the specification (docs/design.md, "The data flow of one update"): which stage
 each keyword of ``grpo`` configures, under which name, and the stage order.
 ``test_grpo_equals_the_explicit_chain`` builds that chain by hand for a grid
 of non-default knobs and compares updates and whole states bit for bit.
@@ -27,7 +27,7 @@ import grpo_optax
 # this to dict(fused=False): the chain form must stay equal to the stages.
 PRESET_FORM: dict = {"fused": False}
 
-# Stage order of the chain (SPEC §1) and the factory of each stage.
+# Stage order of the chain (docs/design.md) and the factory of each stage.
 STAGES = {
     "clip": grpo_optax.clip_with_l2,
     "importance": grpo_optax.scale_by_importance,
@@ -81,7 +81,7 @@ WIRING = {
 # structure, compared exactly by the equality test).
 SWITCHES = ("importance", "sparsify", "adaptive", "importance_placement")
 
-# The seed defaults (SPEC §1): grpo(**ARTICLE_DEFAULTS) must use exactly
+# The seed defaults (the articles): grpo(**ARTICLE_DEFAULTS) must use exactly
 # these (grpo()'s own defaults were then chosen by measurement).
 SEED_DEFAULTS = dict(
     learning_rate=1e-3, max_norm=1.0, l2=0.0, importance=True,
@@ -142,7 +142,7 @@ def _stage_kwargs(kw: dict, stage: str) -> dict:
 
 
 def explicit_stages(**overrides) -> list[tuple[str, optax.GradientTransformation]]:
-  """The stages of SPEC §1's chain, built from the wiring table."""
+  """The stages of the preset chain, built from the wiring table."""
   kw = {**DEFAULTS, **overrides}
   on = {
       "clip": kw["max_norm"] is not None or kw["l2"] != 0,

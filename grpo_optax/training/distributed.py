@@ -39,7 +39,7 @@ support sends ``f + 1/chunk_size`` of the dense bytes for any ``W``.
 :func:`collective_bytes` and :func:`ring_traffic` read the bytes off a
 compiled program's HLO (XLA's ``cost_analysis()`` does not report them).
 
-The pitfall (SPEC section 2): inside ``shard_map``, the parameters are
+The pitfall (docs/design.md): inside ``shard_map``, the parameters are
 replicated (invariant over the data axis) while the loss varies across
 replicas; ``jax.grad`` then transposes the implicit broadcast into a psum of
 the *full* gradient (and sums instead of averaging). The step below casts the
