@@ -21,9 +21,9 @@ stored as the integer :math:`q \\in \\{-Q, \\dots, Q\\}` (``Q = 127`` signed,
 nearest to :math:`x`; the power :math:`p` spends the levels non-linearly
 (dense near 0, where most moment entries lie). ``p = 1`` is linear
 quantisation; ``p = 2`` on ``nu`` stores :math:`\\sqrt{\\nu}` linearly (a
-square-root mapping). The defaults (``p = 3`` signed, ``p = 4`` unsigned,
-blocks of 256) were chosen by measuring the error on Adam moments
-(``python -m benchmarks.memory --codec``; see ``docs/memory.md``). The
+square-root mapping). The defaults (``p = 2`` for both, blocks of 256) were
+chosen by measuring the error on Adam moments (``python -m benchmarks.memory
+--sections codec``; see ``docs/memory.md``). The
 block's maximum is stored exactly (code ``Q``), so a block that decays as a
 whole (``nu`` times ``b2``) keeps its relative values.
 
@@ -90,7 +90,7 @@ class StateFormat:
 
 FORMAT_NAMES = ("float32", "bfloat16", "bfloat16_sr", "int8", "uint8")
 DEFAULT_BLOCK_SIZE = 256
-_DEFAULT_POWER = {"int8": 3, "uint8": 4}
+_DEFAULT_POWER = {"int8": 2, "uint8": 2}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
            "bfloat16_sr": jnp.bfloat16, "int8": jnp.int8, "uint8": jnp.uint8}
 
@@ -120,7 +120,7 @@ def state_format(name: FormatLike, *, block_size: Optional[int] = None,
     block_size: entries per block for ``"int8"`` / ``"uint8"``, >= 1
       (default 256).
     power: code-map exponent for ``"int8"`` / ``"uint8"``, in [1, 8]
-      (default 3 for ``"int8"``, 4 for ``"uint8"``).
+      (default 2).
 
   Returns:
     The format.
