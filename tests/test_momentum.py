@@ -218,7 +218,7 @@ def test_int8_state_tracks_fp32_adam():
   assert state.nu.codes["w"].dtype == jnp.uint8
   start = float(loss({"w": jnp.zeros((64, 4))}))
   assert l32 < 0.01 * start  # fp32 Adam makes progress
-  # Measured: losses 2.006 (fp32) and 2.042 (8-bit), weights 4.7% apart.
+  # Measured: losses 2.006 (fp32) and 2.028 (8-bit), weights 4.1% apart.
   assert abs(l8 - l32) <= 0.05 * l32
   assert jnp.linalg.norm(w8 - w32) <= 0.1 * jnp.linalg.norm(w32)
 
