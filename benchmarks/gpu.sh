@@ -65,16 +65,17 @@ run_part() {
 
 if (( dry )); then
   sizes=1e5; memory=(--dry-run); steps=2; resnet_depth=8; image=8; batch=8
+  step_opts=(--optimizers adam,grpo_dense --rounds 1 --iters 2)
   bert=(--hidden 32 --num-layers 1 --num-heads 2 --ffn 64 --seq-len 16)
 else
   sizes=1e8,3e8,1e9; memory=(--time-params 1e9); steps=300; resnet_depth=18
+  step_opts=(--optimizers adam,nadam,sgd_momentum,grpo_dense,grpo_threshold,grpo_topk)
   image=32; batch=256
   bert=(--hidden 256 --num-layers 4 --num-heads 4 --ffn 1024 --seq-len 128)
 fi
 
 run_part step_time 200 "$PY" -m benchmarks.step_time --sizes "$sizes" \
-  --optimizers adam,nadam,sgd_momentum,grpo_dense,grpo_threshold,grpo_topk \
-  --compile-layers "" --out "$out"
+  "${step_opts[@]}" --compile-layers "" --out "$out"
 
 run_part memory 300 "$PY" -m benchmarks.memory "${memory[@]}" --out "$out"
 
