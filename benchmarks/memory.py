@@ -380,9 +380,10 @@ def to_markdown(res: dict[str, Any]) -> str:
     out += [f"| {r['mu_format'] or 'fp32'} | {r['nu_format'] or 'fp32'} | "
             f"{r['mu_rel_err']:.4f} | {r['nu_rel_err']:.4f} | "
             f"{r['direction_rel_err']:.4f} |" for r in c["errors"]]
-    out += ["", "| optimizer | final loss (mean of last 20 steps) |",
-            "|---|---|"]
-    out += [f"| {k} | {v:.4f} |" for k, v in c["final_loss"].items()]
+    if c.get("final_loss"):
+      out += ["", "| optimizer | final loss (mean of last 20 steps) |",
+              "|---|---|"]
+      out += [f"| {k} | {v:.4f} |" for k, v in c["final_loss"].items()]
     out.append("")
   if "time" in res:
     out += ["## Update + apply time (interleaved, one process)", "",
