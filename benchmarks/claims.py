@@ -216,6 +216,10 @@ def memory_capacity_row(t: Table, mem: Optional[dict]) -> None:
   cap = {(r["optimizer"], r["layerwise"]): r for r in mem["capacity"]["rows"]}
   c = cap[(name, True)]
   ref = mem["capacity"]["ref_params"]
+  over = ("" if c.get("fits", True) else
+          f" (extrapolated: the compiled step at depth {c['depth']} needs "
+          f"x{c['peak_at_depth'] / mem['capacity']['budget_bytes']:.3f} the "
+          "budget, so one layer fewer fits)")
   cfg = mem["meta"]["config"]
   t.add(claim, "000 §3.2",
         f"peak bytes of the donated training step vs {base}'s: {name} + "
@@ -223,7 +227,7 @@ def memory_capacity_row(t: Table, mem: Optional[dict]) -> None:
         f"x{alone:.3f}; layer-wise with fp32 state x{lw32:.3f}. Largest "
         f"decoder within the budget of {base}'s {ref / 1e6:.0f}M-param step: "
         f"{c['n_params'] / 1e6:.0f}M params (x{c['capacity_ratio']:.2f}) with "
-        f"{name} + layer-wise",
+        f"{name} + layer-wise" + over,
         f"GPT-style decoder, width {cfg['d']}, vocab {cfg['vocab']}, batch "
         f"{cfg['batch']} x {cfg['seq']} tokens, depth grown; XLA "
         f"memory_analysis on {mem['meta']['device']}", MEMORY,

@@ -124,7 +124,7 @@ def test_uint8_stores_negative_entries_as_zero():
   assert stored.codes.dtype == jnp.uint8
   dec = qz.decode("uint8", stored)
   assert float(dec[0, 0]) == 0.0 and float(dec[0, 3]) == 0.0
-  q_ref, _ = _np_encode(x, 256, 4, 255, False)
+  q_ref, _ = _np_encode(x, 256, qz.state_format("uint8").power, 255, False)
   np.testing.assert_array_equal(stored.codes, q_ref)
   assert float(stored.scale[0, 0]) == 3.0  # |x| max, negatives included
 
