@@ -1,36 +1,52 @@
 #!/usr/bin/env bash
-# The GPU subset of the benchmarks, for one GPU (sized for one H200: < 8 min).
+# The GPU subset of the benchmarks, for one GPU (sized for one H200: < 11 min).
 #
-#   bash benchmarks/gpu.sh            # from anywhere; runs in the repo root
+#   bash benchmarks/gpu.sh             # from anywhere; runs in the repo root
+#   bash benchmarks/gpu.sh --dry-run   # CPU, tiny sizes, the same code paths
+#
+# Needs only what the lent machine has: jax (with its GPU backend), flax,
+# optax, orbax under ${PYTHON:-python3}; nothing is installed or downloaded.
 #
 # 1. Optimizer step time at 1e8, 3e8 and 1e9 parameters (benchmarks.step_time).
-# 2. ResNet-18 (CIFAR-style, digits enlarged to 32x32) throughput, Adam vs GRPO.
-# 3. BERT MLM (4 layers, hidden 256, seq 128) throughput, Adam vs GRPO.
+# 2. Memory: state bytes/param, peak bytes of a GPT-style decoder's step,
+#    the largest decoder within Adam's budget, and the fp32 / bf16 / 8-bit
+#    update at 1e9 parameters with the fraction of peak HBM bandwidth
+#    (benchmarks.memory).
+# 3. ResNet-18 (CIFAR-style, digits enlarged to 32x32) throughput, Adam vs GRPO.
+# 4. BERT MLM (4 layers, hidden 256, seq 128) throughput, Adam vs GRPO.
 #
-# Everything goes to benchmarks/results/gpu-<date>-<device>/. Each part has its
-# own time limit; a part that fails or times out is reported and the script
-# goes on, exiting non-zero at the end if any part failed.
+# Everything goes to benchmarks/results/gpu-<date>-<device>/ (dry run: under
+# ${GPU_SH_OUT:-a temporary directory}). Each part has its own time limit; a
+# part that fails or times out is reported and the script goes on, exiting
+# non-zero at the end if any part failed.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PY=${PYTHON:-python}
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
+PY=${PYTHON:-python3}
+export PYTHONPATH=".${PYTHONPATH:+:${PYTHONPATH}}"
 
-has_gpu() {
-  "$PY" -c 'import jax, sys; sys.exit(0 if jax.default_backend() == "gpu" else 1)' \
-    >/dev/null 2>&1
-}
+dry=0
+case "${1:-}" in
+  --dry-run) dry=1 ;;
+  "") ;;
+  *) echo "usage: bash benchmarks/gpu.sh [--dry-run]" >&2; exit 2 ;;
+esac
 
-if ! has_gpu; then
-  version=$("$PY" -c 'import jax; print(jax.__version__)')
-  echo "jax ${version} has no GPU backend: installing jax[cuda12]==${version}"
-  timeout 240 "$PY" -m pip install --quiet "jax[cuda12]==${version}"
-  has_gpu || { echo "still no GPU backend after installing jax[cuda12]" >&2; exit 1; }
+if (( dry )); then
+  export JAX_PLATFORMS=cpu
+  out="${GPU_SH_OUT:-$(mktemp -d)}/gpu-dry-run"
+else
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
+  if ! "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' \
+      >/dev/null 2>&1; then
+    echo "no GPU backend in $("$PY" -c 'import jax; print("jax", jax.__version__)' 2>&1);" \
+      "this script installs nothing (use --dry-run on a CPU)" >&2
+    exit 1
+  fi
+  device=$("$PY" -c 'import jax, re; print(re.sub(r"[^A-Za-z0-9]+", "_", jax.devices()[0].device_kind).strip("_"))')
+  out="benchmarks/results/gpu-$(date +%Y%m%d-%H%M)-${device}"
 fi
-"$PY" -c 'import jax; print(jax.devices())'
-
-device=$("$PY" -c 'import jax, re; print(re.sub(r"[^A-Za-z0-9]+", "_", jax.devices()[0].device_kind).strip("_"))')
-out="benchmarks/results/gpu-$(date +%Y%m%d-%H%M)-${device}"
+"$PY" -c 'import jax; print(jax.__version__, jax.devices())'
 mkdir -p "$out"
 echo "results: $out"
 
@@ -47,18 +63,30 @@ run_part() {
   if [[ $status -ne 0 ]]; then failed+=("${name}(exit ${status})"); fi
 }
 
-run_part step_time 270 "$PY" -m benchmarks.step_time --sizes 1e8,3e8,1e9 \
-  --optimizers adam,nadam,sgd_momentum,grpo_dense,grpo_threshold,grpo_topk \
-  --out "$out"
+if (( dry )); then
+  sizes=1e5; memory=(--dry-run); steps=2; resnet_depth=8; image=8; batch=8
+  step_opts=(--optimizers adam,grpo_dense --rounds 1 --iters 2)
+  bert=(--hidden 32 --num-layers 1 --num-heads 2 --ffn 64 --seq-len 16)
+else
+  sizes=1e8,3e8,1e9; memory=(--time-params 1e9); steps=300; resnet_depth=18
+  step_opts=(--optimizers adam,nadam,sgd_momentum,grpo_dense,grpo_threshold,grpo_topk)
+  image=32; batch=256
+  bert=(--hidden 256 --num-layers 4 --num-heads 4 --ffn 1024 --seq-len 128)
+fi
+
+run_part step_time 200 "$PY" -m benchmarks.step_time --sizes "$sizes" \
+  "${step_opts[@]}" --compile-layers "" --out "$out"
+
+run_part memory 300 "$PY" -m benchmarks.memory "${memory[@]}" --out "$out"
 
 for opt in adam grpo; do
-  run_part "resnet_${opt}" 60 "$PY" -m examples.resnet_cifar10 --depth 18 \
-    --image-size 32 --batch-size 256 --steps 300 --eval-every 0 \
-    --optimizer "$opt" --quiet --workdir "$out/resnet_${opt}"
-  run_part "bert_${opt}" 60 "$PY" -m examples.bert_mlm --hidden 256 \
-    --num-layers 4 --num-heads 4 --ffn 1024 --seq-len 128 --batch-size 64 \
-    --steps 300 --eval-every 0 --optimizer "$opt" --quiet \
-    --workdir "$out/bert_${opt}"
+  run_part "resnet_${opt}" 60 "$PY" -m examples.resnet_cifar10 \
+    --depth "$resnet_depth" --image-size "$image" --batch-size "$batch" \
+    --steps "$steps" --eval-every 0 --optimizer "$opt" --quiet \
+    --workdir "$out/resnet_${opt}"
+  run_part "bert_${opt}" 60 "$PY" -m examples.bert_mlm "${bert[@]}" \
+    --batch-size "$(( batch / 4 ))" --steps "$steps" --eval-every 0 \
+    --optimizer "$opt" --quiet --workdir "$out/bert_${opt}"
 done
 
 # Throughput summary from the examples' metrics.json (wall time includes

@@ -8,6 +8,8 @@ Each seed mechanism of the two source articles lives in one module:
 * :mod:`grpo_optax.momentum` -- noise filter + Nesterov + Adam/RMSProp (5).
 * :mod:`grpo_optax.clipping` -- global-norm clipping with coupled L2 (6).
 * :mod:`grpo_optax.freezing` -- dynamic freezing (9).
+* :mod:`grpo_optax.quantization` -- storage formats of optimizer state
+  (fp32, bf16, stochastic bf16, block-wise 8-bit).
 * :mod:`grpo_optax.presets` -- the :func:`grpo` preset (and ``ARTICLE_DEFAULTS``).
 * :mod:`grpo_optax.fused` -- its fused clip + mask + Adam core.
 * :mod:`grpo_optax.diagnostics` -- :func:`metrics` and friends.
@@ -40,6 +42,7 @@ from grpo_optax.sparsify import ema_threshold_mask
 from grpo_optax.sparsify import top_k_mask
 from grpo_optax.variance import ScaleByVarianceLrState
 from grpo_optax.variance import scale_by_variance_lr
+from grpo_optax import quantization  # pylint: disable=g-bad-import-order
 from grpo_optax import training  # pylint: disable=g-bad-import-order
 from grpo_optax import rl  # pylint: disable=g-bad-import-order
 
@@ -64,6 +67,7 @@ __all__ = [
     "importance_converged",
     "metrics",
     "per_head",
+    "quantization",
     "rl",
     "scale_by_importance",
     "scale_by_nesterov_adam_rms",

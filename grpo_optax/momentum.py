@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from grpo_optax import _common
+from grpo_optax import quantization
 
 
 class ScaleByNesterovAdamRmsState(NamedTuple):
@@ -24,6 +25,7 @@ class ScaleByNesterovAdamRmsState(NamedTuple):
   mu: optax.Updates  # first moment (Adam)
   nu: optax.Updates  # second moment, shared by Adam and RMSProp
   filtered: Optional[optax.Updates]  # noise-filter EMA, None when disabled
+  key: Optional[jax.Array] = None  # stochastic rounding's key, else None
 
   def metrics(self) -> dict[str, jax.Array]:
     return {}
@@ -63,6 +65,11 @@ def moments_like(params, dtype) -> Any:
                                                      dtype)), params)
 
 
+def _decoded(fmt, stored):
+  """The float32 tree of a stored moment (as is when ``fmt`` is None)."""
+  return stored if fmt is None else quantization.tree_decode(fmt, stored)
+
+
 def scale_by_nesterov_adam_rms(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -74,6 +81,10 @@ def scale_by_nesterov_adam_rms(
     mu_dtype: Optional[Any] = None,
     rms_bias_correction: bool = False,
     nu_dtype: Optional[Any] = None,
+    *,
+    mu_format: Optional[quantization.FormatLike] = None,
+    nu_format: Optional[quantization.FormatLike] = None,
+    key: Optional[jax.Array] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Mixes a (Nesterov-)Adam update with an RMSProp update sharing one ``nu``.
 
@@ -90,6 +101,11 @@ def scale_by_nesterov_adam_rms(
      :math:`R = g / (\sqrt{v_t} + \epsilon)`, RMSProp without bias correction
      (exactly ``optax.scale_by_rms(decay=b2, eps=eps, eps_in_sqrt=False)``).
   4. Output :math:`w A + (1 - w) R` with ``w = adam_weight``.
+
+  Storage: with ``mu_format`` / ``nu_format`` (see
+  :mod:`grpo_optax.quantization`) the state keeps ``mu`` / ``nu`` in that
+  format; each step decodes them to float32, applies 2.-4. and encodes the
+  new moments, in the same elementwise pass.
 
   Limits: ``adam_weight=1, nesterov=False`` is ``optax.scale_by_adam``,
   ``adam_weight=1, nesterov=True`` is NAdam, ``adam_weight=0`` is RMSProp.
@@ -110,6 +126,13 @@ def scale_by_nesterov_adam_rms(
     rms_bias_correction: divide RMSProp's ``nu`` by ``1 - b2^(t+1)`` as
       Adam does (off: exactly ``optax.scale_by_rms``).
     nu_dtype: optional dtype of the second moment; default as ``mu_dtype``.
+    mu_format: storage of ``mu``: a name of
+      :data:`grpo_optax.quantization.FORMAT_NAMES` (e.g. ``"int8"``) or a
+      ``StateFormat``; ``None``: ``mu_dtype``. Excludes ``mu_dtype``.
+    nu_format: storage of ``nu`` (e.g. ``"uint8"``); ``None``: ``nu_dtype``.
+      Excludes ``nu_dtype``.
+    key: PRNG key of the stochastic formats (``"bfloat16_sr"``), kept in
+      the state and split every step; default ``jax.random.key(0)``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -147,6 +170,14 @@ def scale_by_nesterov_adam_rms(
     raise TypeError("rms_bias_correction must be a bool, got "
                     f"{type(rms_bias_correction).__name__}")
 
+  if mu_dtype is not None and mu_format is not None:
+    raise ValueError("give `mu_dtype` or `mu_format`, not both.")
+  if nu_dtype is not None and nu_format is not None:
+    raise ValueError("give `nu_dtype` or `nu_format`, not both.")
+  mu_fmt, nu_fmt = (None if f is None else quantization.state_format(f)
+                    for f in (mu_format, nu_format))
+  stochastic = any(f is not None and f.stochastic for f in (mu_fmt, nu_fmt))
+
   b1 = _common.f32(b1)
   b2 = _common.f32(b2)
   eps = _common.f32(eps)
@@ -158,10 +189,14 @@ def scale_by_nesterov_adam_rms(
   def init_fn(params):
     return ScaleByNesterovAdamRmsState(
         count=jnp.zeros([], jnp.int32),
-        mu=moments_like(params, mu_dtype),
-        nu=moments_like(params, nu_dtype),
+        mu=(moments_like(params, mu_dtype) if mu_fmt is None
+            else quantization.tree_init(mu_fmt, params)),
+        nu=(moments_like(params, nu_dtype) if nu_fmt is None
+            else quantization.tree_init(nu_fmt, params)),
         filtered=(None if filter_decay is None
                   else optax.tree.zeros_like(params)),
+        key=(None if not stochastic else
+             jax.random.key(0) if key is None else key),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -177,11 +212,11 @@ def scale_by_nesterov_adam_rms(
       g = updates
     # Moments stored wider than the gradient (float16 params) get the
     # gradient in their dtype before it is squared.
+    mu, nu = _decoded(mu_fmt, state.mu), _decoded(nu_fmt, state.nu)
     g = jax.tree.map(
-        lambda x, v: x.astype(jnp.promote_types(x.dtype, v.dtype)), g,
-        state.nu)
-    mu = optax.tree.update_moment(g, state.mu, b1, 1)
-    nu = optax.tree.update_moment_per_elem_norm(g, state.nu, b2, 2)
+        lambda x, v: x.astype(jnp.promote_types(x.dtype, v.dtype)), g, nu)
+    mu = optax.tree.update_moment(g, mu, b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(g, nu, b2, 2)
     bc1 = _common.bias_correction(b1, count_inc)
     bc2 = _common.bias_correction(b2, count_inc)
     if nesterov:
@@ -201,9 +236,13 @@ def scale_by_nesterov_adam_rms(
 
     out = jax.tree.map(lambda m, v, gi, u: mix(m, v, gi).astype(u.dtype),
                        mu_hat, nu, g, updates)
-    mu = optax.tree.cast_like(mu, state.mu)
-    nu = optax.tree.cast_like(nu, state.nu)
+    new_key, mu_key, nu_key = (jax.random.split(state.key, 3) if stochastic
+                               else (None, None, None))
+    mu = (optax.tree.cast_like(mu, state.mu) if mu_fmt is None
+          else quantization.tree_encode(mu_fmt, mu, key=mu_key))
+    nu = (optax.tree.cast_like(nu, state.nu) if nu_fmt is None
+          else quantization.tree_encode(nu_fmt, nu, key=nu_key))
     return out, ScaleByNesterovAdamRmsState(
-        count=count_inc, mu=mu, nu=nu, filtered=filtered)
+        count=count_inc, mu=mu, nu=nu, filtered=filtered, key=new_key)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
