@@ -44,6 +44,7 @@ import optax
 from grpo_optax import _common
 from grpo_optax import clipping
 from grpo_optax import momentum
+from grpo_optax import quantization
 from grpo_optax import sparsify
 
 MASKS = ("topk", "threshold")
@@ -85,6 +86,8 @@ class _Adam(NamedTuple):
   rms_bias_correction: bool
   mu_dtype: Any
   nu_dtype: Any
+  mu_format: Any = None  # a deterministic quantization.StateFormat, or None
+  nu_format: Any = None
 
 
 def _init_mask(params, cfg: _Mask):
@@ -195,6 +198,20 @@ def _adam_phase(a_leaves, thr, cfg: _Adam, state, u_dtypes):
   return outs, mus, nus, t1
 
 
+def _init_moment(params, dtype, fmt):
+  if fmt is None:
+    return momentum.moments_like(params, dtype)
+  return quantization.tree_init(fmt, params)
+
+
+def _decode(fmt, stored):
+  return stored if fmt is None else quantization.tree_decode(fmt, stored)
+
+
+def _encode(fmt, tree):
+  return tree if fmt is None else quantization.tree_encode(fmt, tree)
+
+
 def clip_mask_adam(*, clip: Optional[_Clip], mask: Optional[_Mask],
                    adam: _Adam) -> optax.GradientTransformationExtraArgs:
   """The fused clip + mask + error feedback + Adam transform.
@@ -212,8 +229,8 @@ def clip_mask_adam(*, clip: Optional[_Clip], mask: Optional[_Mask],
         mask=_init_mask(params, mask) if mask is not None else None,
         adaptive=momentum.ScaleByNesterovAdamRmsState(
             count=jnp.zeros([], jnp.int32),
-            mu=momentum.moments_like(params, adam.mu_dtype),
-            nu=momentum.moments_like(params, adam.nu_dtype),
+            mu=_init_moment(params, adam.mu_dtype, adam.mu_format),
+            nu=_init_moment(params, adam.nu_dtype, adam.nu_format),
             filtered=None))
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -235,15 +252,19 @@ def clip_mask_adam(*, clip: Optional[_Clip], mask: Optional[_Mask],
     a_leaves, thr, mask_state = _mask_phase(x_leaves, mask, state.mask,
                                             treedef)
     ad = state.adaptive
+    mu_old = _decode(adam.mu_format, ad.mu)
+    nu_old = _decode(adam.nu_format, ad.nu)
     outs, mus, nus, t1 = _adam_phase(
         a_leaves, thr, adam,
-        ad._replace(mu=treedef.flatten_up_to(ad.mu),
-                    nu=treedef.flatten_up_to(ad.nu)),
+        ad._replace(mu=treedef.flatten_up_to(mu_old),
+                    nu=treedef.flatten_up_to(nu_old)),
         [g.dtype for g in g_leaves])
     new_state = FusedState(
         clip=clip_state, mask=mask_state,
         adaptive=momentum.ScaleByNesterovAdamRmsState(
-            count=t1, mu=treedef.unflatten(mus), nu=treedef.unflatten(nus),
+            count=t1,
+            mu=_encode(adam.mu_format, treedef.unflatten(mus)),
+            nu=_encode(adam.nu_format, treedef.unflatten(nus)),
             filtered=None))
     return treedef.unflatten(outs), new_state
 

@@ -17,6 +17,7 @@ import optax
 
 from grpo_optax import _common
 from grpo_optax import fused as fused_lib
+from grpo_optax import quantization
 from grpo_optax.clipping import clip_with_l2
 from grpo_optax.freezing import freeze_below
 from grpo_optax.importance import scale_by_importance
@@ -75,6 +76,8 @@ def grpo(
     filter_decay: Optional[float] = None,
     mu_dtype: Optional[Any] = None,
     nu_dtype: Optional[Any] = None,
+    mu_format: Optional[Any] = None,
+    nu_format: Optional[Any] = None,
     variance_coef: Optional[float] = None,
     variance_decay: float = 0.99,
     variance_reduction: str = "leaf",
@@ -180,6 +183,10 @@ def grpo(
     mu_dtype: dtype of the first moment (default: the param's; float32 for
       float16 params).
     nu_dtype: dtype of the second moment (same default).
+    mu_format: storage format of the first moment (``"bfloat16"``,
+      ``"bfloat16_sr"``, ``"int8"``: block-wise 8-bit, see
+      :mod:`grpo_optax.quantization`), or None (``mu_dtype``).
+    nu_format: the same for the second moment (``"uint8"`` for 8-bit).
     variance_coef: coefficient of the variance rate, or None for off.
     variance_decay: EMA decay of the variance estimate.
     variance_reduction: ``"element"``, ``"leaf"`` or ``"global"``.
@@ -225,6 +232,9 @@ def grpo(
       ("topk_method='exact'", sparsify == "topk" and topk_method == "exact"),
       ("frequency_weight", sparsify == "topk" and frequency_weight is not None),
       ("filter_decay", filter_decay is not None),
+      ("a stochastic mu_format/nu_format",
+       any(f is not None and quantization.state_format(f).stochastic
+           for f in (mu_format, nu_format))),
       ("adaptive=False", not adaptive)) if on]
   if fused and blockers:
     raise ValueError(
@@ -238,7 +248,8 @@ def grpo(
     stages.append(_core(max_norm, l2, sparsify, fraction, error_feedback,
                         min_size, sparsify_warmup_steps, seed, alpha, every,
                         threshold_scale, b1, b2, eps, eps_root, adam_weight,
-                        nesterov, rms_bias_correction, mu_dtype, nu_dtype))
+                        nesterov, rms_bias_correction, mu_dtype, nu_dtype,
+                        mu_format, nu_format))
   else:
     if clip_on:
       stages.append(rooms["clip"])
@@ -248,7 +259,8 @@ def grpo(
       stages.append(_core(None, None, sparsify, fraction, error_feedback,
                           min_size, sparsify_warmup_steps, seed, alpha, every,
                           threshold_scale, b1, b2, eps, eps_root, adam_weight,
-                          nesterov, rms_bias_correction, mu_dtype, nu_dtype))
+                          nesterov, rms_bias_correction, mu_dtype, nu_dtype,
+                          mu_format, nu_format))
     else:
       if sparsify is not None:
         stages.append(rooms[sparsify])
@@ -281,7 +293,7 @@ def _rooms(*, max_norm, l2, importance_order, importance_decay, min_weight,
            frequency_weight, min_size, sparsify_warmup_steps, seed, alpha,
            every, threshold_scale, b1, b2, eps, eps_root, adam_weight,
            nesterov, rms_bias_correction, filter_decay, mu_dtype, nu_dtype,
-           variance_coef, variance_decay, variance_eps, variance_reduction,
+           mu_format, nu_format, variance_coef, variance_decay, variance_eps, variance_reduction,
            variance_normalize, freeze_threshold, freeze_decay,
            freeze_warmup_steps, **_):
   """Every room, validated (also those switched off), by name."""
@@ -314,7 +326,9 @@ def _rooms(*, max_norm, l2, importance_order, importance_decay, min_weight,
           nesterov=("nesterov", nesterov),
           rms_bias_correction=("rms_bias_correction", rms_bias_correction),
           filter_decay=("filter_decay", filter_decay),
-          mu_dtype=("mu_dtype", mu_dtype), nu_dtype=("nu_dtype", nu_dtype)),
+          mu_dtype=("mu_dtype", mu_dtype), nu_dtype=("nu_dtype", nu_dtype),
+          mu_format=("mu_format", mu_format),
+          nu_format=("nu_format", nu_format)),
       "variance": _stage(
           scale_by_variance_lr,
           coef=("variance_coef",
@@ -335,7 +349,8 @@ def _rooms(*, max_norm, l2, importance_order, importance_decay, min_weight,
 def _core(max_norm, l2, sparsify, fraction, error_feedback, min_size,
           warmup_steps, seed, alpha, every, threshold_scale, b1, b2, eps,
           eps_root, adam_weight, nesterov, rms_bias_correction, mu_dtype,
-          nu_dtype) -> optax.GradientTransformationExtraArgs:
+          nu_dtype, mu_format=None, nu_format=None
+          ) -> optax.GradientTransformationExtraArgs:
   """The fused clip + mask + Adam core (arguments validated by _rooms)."""
   f32 = _common.f32
   clip = None
@@ -354,7 +369,11 @@ def _core(max_norm, l2, sparsify, fraction, error_feedback, min_size,
       b1=f32(b1), b2=f32(b2), eps=f32(eps), eps_root=f32(eps_root),
       adam_weight=f32(adam_weight), nesterov=nesterov,
       rms_bias_correction=rms_bias_correction, mu_dtype=mu_dtype,
-      nu_dtype=nu_dtype)
+      nu_dtype=nu_dtype,
+      mu_format=None if mu_format is None else quantization.state_format(
+          mu_format),
+      nu_format=None if nu_format is None else quantization.state_format(
+          nu_format))
   return fused_lib.clip_mask_adam(clip=clip, mask=mask, adam=adam)
 
 
