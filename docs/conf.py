@@ -49,8 +49,14 @@ html_title = f"grpo_optax {release}"
 # multi-process training, memory, RL guide). The toctree names them with a
 # one-character glob class ("[d]esign") so that a page that has not landed
 # yet is left out instead of failing the build; once it lands it is listed.
-PENDING_PAGES = ("design", "communication", "local_steps", "multiprocess",
-                 "memory", "rl")
+PENDING_PAGES = (
+  "design",
+  "communication",
+  "local_steps",
+  "multiprocess",
+  "memory",
+  "rl",
+)
 
 
 class _PendingPageFilter(logging.Filter):
@@ -58,8 +64,10 @@ class _PendingPageFilter(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
     msg = record.getMessage()
-    return not ("didn't match any documents" in msg
-                and any(f"[{p[0]}]{p[1:]}" in msg for p in PENDING_PAGES))
+    return not (
+      "didn't match any documents" in msg
+      and any(f"[{p[0]}]{p[1:]}" in msg for p in PENDING_PAGES)
+    )
 
 
 def _write_claims(app) -> None:
@@ -71,16 +79,23 @@ def _write_claims(app) -> None:
   out = os.path.join(out_dir, "claims.md")
   import contextlib  # pylint: disable=import-outside-toplevel
   import io  # pylint: disable=import-outside-toplevel
+
   with contextlib.chdir(ROOT), contextlib.redirect_stdout(io.StringIO()):
     claims.main(["--results", "benchmarks/results", "--out", out])
 
 
 def setup(app):
   logging.getLogger("sphinx.sphinx.directives.other").addFilter(
-      _PendingPageFilter())
-  missing = [p for p in PENDING_PAGES
-             if not os.path.exists(os.path.join(app.srcdir, p + ".md"))]
+    _PendingPageFilter()
+  )
+  missing = [
+    p
+    for p in PENDING_PAGES
+    if not os.path.exists(os.path.join(app.srcdir, p + ".md"))
+  ]
   if missing:
-    print("docs: pages not written yet (left out of the toctree): "
-          + ", ".join(missing))
+    print(
+      "docs: pages not written yet (left out of the toctree): "
+      + ", ".join(missing)
+    )
   app.connect("builder-inited", _write_claims)

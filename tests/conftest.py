@@ -10,3 +10,32 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# -- test tiers ---------------------------------------------------------------
+# The fast tier, `pytest -m "not slow"`, is the edit loop (at most 3 minutes on
+# 2 cores); CI runs both tiers. Slow: whatever trains an example, spawns
+# processes, runs a benchmark or convergence smoke test, or takes more than
+# about 10 s. A test can also be marked in its file with @pytest.mark.slow;
+# these lists mark whole files and single tests in one place.
+SLOW_FILES = frozenset({
+    "test_examples.py",          # trains the examples (a few steps each)
+    "test_rl_example.py",        # trains the RL example, resume bit for bit
+    "test_benchmarks_smoke.py",  # runs every benchmark at a tiny size
+    "test_study.py",             # the study's greedy search on tiny tasks
+})
+SLOW_TESTS = frozenset({
+    # spawns two processes that train over jax.distributed
+    "test_training_distributed.py::test_two_processes_give_the_single_process_params",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+  del config  # unused
+  import pytest  # pylint: disable=g-import-not-at-top
+
+  for item in items:
+    file = item.path.name
+    name = f"{file}::{item.originalname}"
+    if file in SLOW_FILES or name in SLOW_TESTS:
+      item.add_marker(pytest.mark.slow)

@@ -7,8 +7,9 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("mutants",
-                                               ROOT / "tools" / "mutants.py")
+_spec = importlib.util.spec_from_file_location(
+  "mutants", ROOT / "tools" / "mutants.py"
+)
 mutants = importlib.util.module_from_spec(_spec)
 sys.modules["mutants"] = mutants  # dataclasses look their module up
 _spec.loader.exec_module(mutants)
@@ -36,8 +37,10 @@ def _mutant(old, new):
 
 
 def test_snippet_matches_across_layout_quotes_and_trailing_commas():
-  m = _mutant("jnp.maximum(x * scale,\n                  0.0)",
-              "jnp.minimum(x * scale, 0.0)")
+  m = _mutant(
+    "jnp.maximum(x * scale,\n                  0.0)",
+    "jnp.minimum(x * scale, 0.0)",
+  )
   want = mutants.ast_change(SOURCE, mutants.apply_mutant(SOURCE, m))
   got = mutants.ast_change(FORMATTED, mutants.apply_mutant(FORMATTED, m))
   assert want and got == want
@@ -66,7 +69,10 @@ def test_snippet_not_found_exactly_once_is_an_error(old, count):
 
 
 def test_every_mutant_applies_to_the_tree_and_to_a_formatted_copy():
-  problems = [f"{m.name}: {mutants._problem(m)}" for m in mutants.MUTANTS
-              if mutants._problem(m)]
+  problems = [
+    f"{m.name}: {mutants._problem(m)}"
+    for m in mutants.MUTANTS
+    if mutants._problem(m)
+  ]
   assert not problems, problems
   assert mutants.check_reformat(mutants.MUTANTS) == []

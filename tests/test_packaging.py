@@ -57,7 +57,7 @@ def test_lowest_versions_file_pins_the_declared_lower_bounds():
     # A bound "2.0" is pinned as "2.0.0": compare as release tuples.
     want = tuple(int(x) for x in bounds[name].split("."))
     got = tuple(int(x) for x in pins[name].split("."))
-    assert got[:len(want)] == want and not any(got[len(want):]), name
+    assert got[: len(want)] == want and not any(got[len(want) :]), name
   assert pins["jaxlib"] == pins["jax"]
 
 
@@ -78,8 +78,11 @@ def test_readme_quick_start_has_two_commands_install_then_test():
   # .ci/run runs the second line of this block as CI's test command.
   text = (ROOT / "README.md").read_text("utf-8")
   block = text.split("## Quick start", 1)[1].split("```", 2)[1]
-  lines = [l for l in block.splitlines()[1:]
-           if l.strip() and not l.lstrip().startswith("#")]
+  lines = [
+    l
+    for l in block.splitlines()[1:]
+    if l.strip() and not l.lstrip().startswith("#")
+  ]
   assert len(lines) == 2, lines
   assert "pip install" in lines[0] and "python -m examples." in lines[0]
   assert "pip install" in lines[1] and "python -m pytest" in lines[1]

@@ -50,7 +50,6 @@ import fnmatch
 import io
 import os
 import platform
-import re
 import shutil
 import signal
 import subprocess
@@ -641,8 +640,11 @@ def _norm_string(s: str) -> str:
 
 
 def _raw_tokens(text: str):
-  """(type, string, start, end) of text's tokens; a partial snippet may end
-  inside brackets, so the tokenizer's end-of-input error ends the list."""
+  """The (type, string, start, end) of text's tokens.
+
+  A partial snippet may end inside brackets: the tokenizer's end-of-input
+  error then ends the list.
+  """
   out = []
   try:
     for t in tokenize.generate_tokens(io.StringIO(text).readline):
@@ -652,7 +654,10 @@ def _raw_tokens(text: str):
   return out
 
 
-def _code_tokens(text: str) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
+_Token = tuple[str, tuple[int, int], tuple[int, int]]  # string, start, end
+
+
+def _code_tokens(text: str) -> list[_Token]:
   """The tokens that carry code, normalised, with their (row, col) spans.
 
   Layout (line breaks, indentation, comments) is dropped, string literals are
@@ -716,7 +721,7 @@ def find_spans(text: str, snippet: str) -> list[tuple[int, int]]:
 
 
 def apply_mutant(text: str, m: Mutant) -> str:
-  """text with m's snippet replaced; ValueError unless found exactly once."""
+  """The text with m's snippet replaced; ValueError unless found once."""
   spans = find_spans(text, m.old)
   if len(spans) != 1:
     raise ValueError(f"snippet found {len(spans)} times in {m.file}"
@@ -737,8 +742,11 @@ def apply_mutant(text: str, m: Mutant) -> str:
 
 
 def _tree(text: str) -> ast.Module:
-  """The module's AST, with docstrings' layout normalised (a formatter may
-  re-indent them): equal for a file and its reformatted copy."""
+  """The module's AST, with docstrings' layout normalised.
+
+  A formatter may re-indent docstrings: the tree is equal for a file and its
+  reformatted copy.
+  """
   tree = ast.parse(text)
   for node in ast.walk(tree):
     body = getattr(node, "body", None)
@@ -752,8 +760,11 @@ def _tree(text: str) -> ast.Module:
 
 
 def ast_change(before: str, after: str) -> list[str]:
-  """The edits between two versions of a module, as ``ast.unparse`` prints
-  them (layout-free): ``'old' -> 'new'`` per edited run of characters."""
+  """The edits between two versions of a module, free of layout.
+
+  Compared as ``ast.unparse`` prints them: ``'old' -> 'new'`` per edited run
+  of characters.
+  """
   a = ast.unparse(_tree(before)).splitlines()
   b = ast.unparse(_tree(after)).splitlines()
   old = [l for l in difflib.unified_diff(a, b, lineterm="", n=0)
