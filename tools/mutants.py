@@ -36,7 +36,9 @@ Usage (from the repository root, in the dev environment)::
   python tools/mutants.py --out tools/mutants_result.txt
 
 Exit status: 0 when every non-equivalent mutant is killed and nothing
-errored, 1 otherwise. Standard library only; not part of CI (minutes).
+errored, 1 otherwise. Standard library only (``--check-reformat`` also runs
+ruff); the run is not part of CI (minutes), ``--check`` and
+``--check-reformat`` are (``tests/test_mutants_anchoring.py``).
 """
 
 from __future__ import annotations
