@@ -1,12 +1,19 @@
 #!/usr/bin/env python
 """Mutation check: do the tests fail when the library's math is wrong?
 
-Each mutant below is one exact text replacement in one library file (a
+Each mutant below is one replacement of a code snippet in one library file (a
 constant, an operator, a reduction, an EMA's update condition, a stage order,
 a keyword routed to the wrong stage). For each one the tool copies the
 repository to a temporary folder, applies the replacement there, and runs the
 test files that cover it (``pytest -x -q``, with a timeout). A mutant is
-*killed* when a test fails, *survived* when they all pass. A snippet that is
+*killed* when a test fails, *survived* when they all pass.
+
+Snippets are anchored on Python tokens, not on text: a snippet matches where
+the file's tokens, with whitespace, line breaks, comments, quote style and
+trailing commas normalised away, equal the snippet's (an exact text match is
+tried first). So a reformat (``ruff format``) keeps every mutant applicable;
+``--check-reformat`` proves it on a formatted temporary copy, comparing the
+mutated module's AST with the one from the unformatted file. A snippet that is
 not found exactly once is an *error*, never skipped: after a refactor,
 re-target the snippet (``--check`` lists them all in seconds).
 
@@ -24,28 +31,34 @@ Usage (from the repository root, in the dev environment)::
   python tools/mutants.py                     # everything, 2 at a time
   python tools/mutants.py --list              # names, files, snippet status
   python tools/mutants.py --check             # only validate the snippets
+  python tools/mutants.py --check-reformat    # ... also on a ruff-formatted copy
   python tools/mutants.py --only 'freeze_*,topk_sampled_*'
   python tools/mutants.py --out tools/mutants_result.txt
 
 Exit status: 0 when every non-equivalent mutant is killed and nothing
-errored, 1 otherwise. Standard library only; not part of CI (minutes).
+errored, 1 otherwise. Standard library only (``--check-reformat`` also runs
+ruff); the run is not part of CI (minutes), ``--check`` and
+``--check-reformat`` are (``tests/test_mutants_anchoring.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import dataclasses
+import difflib
 import fnmatch
+import io
 import os
 import platform
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,8 +256,8 @@ MUTANTS: list[Mutant] = [
         sp("test_frequency_weight_matches_numpy_reference"), "kept-indicator EMA with the weights swapped"),
     Mutant(
         "topk_frequency_sign", "grpo_optax/sparsify.py",
-        "- frequency_weight * f.reshape(-1))",
-        "+ frequency_weight * f.reshape(-1))",
+        "- frequency_weight * f.reshape(-1)",
+        "+ frequency_weight * f.reshape(-1)",
         sp("test_frequency_weight_matches_numpy_reference",
            "test_frequency_weight_rotates_kept_entries"), "frequently kept entries favoured instead of penalised"),
     Mutant(
@@ -523,8 +536,8 @@ MUTANTS: list[Mutant] = [
         T_FUSED, "EMA threshold moved at every step, not every N"),
     Mutant(
         "fused_fisher_from_last_step_at_output", "grpo_optax/fused.py",
-        "lambda i, a: nu_new[i].astype(a.dtype) * cast(\"inv_bc2\", inv_bc2,",
-        "lambda i, a: nu_leaves[i].astype(a.dtype) * cast(\"inv_bc2\", inv_bc2,",
+        "nu_new[i].astype(a.dtype) * cast(\"inv_bc2\", inv_bc2,",
+        "nu_leaves[i].astype(a.dtype) * cast(\"inv_bc2\", inv_bc2,",
         T_FUSED, "output placement's Fisher from the old second moment"),
     Mutant(
         "fused_residual_is_the_kept_part", "grpo_optax/fused.py",
@@ -554,8 +567,8 @@ MUTANTS: list[Mutant] = [
         T_FUSED, "global variance averages leaves, not elements"),
     Mutant(
         "fused_freeze_mean_over_all_leaves", "grpo_optax/fused.py",
-        "mean_imp = (_weighted_sum([v / fbc * a for v, a in zip(imp, active)],",
-        "mean_imp = (_weighted_sum([v / fbc for v, a in zip(imp, active)],",
+        "_weighted_sum([v / fbc * a for v, a in zip(imp, active)],",
+        "_weighted_sum([v / fbc for v, a in zip(imp, active)],",
         T_FUSED, "freezing normalised by every leaf's importance"),
     Mutant(
         "fused_normaliser_without_bias_correction", "grpo_optax/fused.py",
@@ -613,11 +626,208 @@ def _select(patterns: str | None) -> list[Mutant]:
   return chosen
 
 
+# -- anchoring: find a snippet by its tokens ---------------------------------
+
+_LAYOUT = {tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+           tokenize.COMMENT, tokenize.ENCODING, tokenize.ENDMARKER}
+_CLOSING = {")", "]", "}"}
+
+
+def _norm_string(s: str) -> str:
+  """A string literal in one spelling (quotes, escapes, prefixes)."""
+  try:
+    return repr(ast.literal_eval(s))
+  except (ValueError, SyntaxError):  # f-strings: only the quotes vary
+    return s.replace("'", '"')
+
+
+def _raw_tokens(text: str):
+  """The (type, string, start, end) of text's tokens.
+
+  A partial snippet may end inside brackets: the tokenizer's end-of-input
+  error then ends the list.
+  """
+  out = []
+  try:
+    for t in tokenize.generate_tokens(io.StringIO(text).readline):
+      out.append((t.type, t.string, t.start, t.end))
+  except tokenize.TokenError:
+    pass
+  return out
+
+
+_Token = tuple[str, tuple[int, int], tuple[int, int]]  # string, start, end
+
+
+def _code_tokens(text: str) -> list[_Token]:
+  """The tokens that carry code, normalised, with their (row, col) spans.
+
+  Layout (line breaks, indentation, comments) is dropped, string literals are
+  spelled one way, and a comma right before a closing bracket (a formatter's
+  "magic trailing comma") is dropped.
+  """
+  toks = [(s if ty != tokenize.STRING else _norm_string(s), a, b)
+          for ty, s, a, b in _raw_tokens(text) if ty not in _LAYOUT]
+  return [t for i, t in enumerate(toks)
+          if not (t[0] == "," and i + 1 < len(toks)
+                  and toks[i + 1][0] in _CLOSING)]
+
+
+def _snippet_tokens(snippet: str) -> list[str]:
+  """Normalised code tokens of a snippet (it may start mid-statement)."""
+  lines = snippet.strip("\n").splitlines()
+  # Statement lines of a multi-line snippet keep their relative indentation;
+  # the tokenizer needs the first one at column 0.
+  indent = len(lines[0]) - len(lines[0].lstrip()) if lines else 0
+  body = "\n".join(l[indent:] if l[:indent].isspace() else l.lstrip()
+                   for l in lines)
+  try:
+    return [t[0] for t in _code_tokens(body)]
+  except (IndentationError, SyntaxError):
+    return [t[0] for line in lines for t in _code_tokens(line.strip())]
+
+
+def _offsets(text: str) -> list[int]:
+  starts, pos = [], 0
+  for line in text.splitlines(keepends=True):
+    starts.append(pos)
+    pos += len(line)
+  starts.append(pos)
+  return starts
+
+
+def find_spans(text: str, snippet: str) -> list[tuple[int, int]]:
+  """Character spans of text where snippet occurs.
+
+  The exact text if it occurs at all; otherwise every run of code tokens
+  equal to the snippet's (see :func:`_code_tokens`).
+  """
+  n = text.count(snippet)
+  if n:
+    spans, start = [], 0
+    for _ in range(n):
+      i = text.index(snippet, start)
+      spans.append((i, i + len(snippet)))
+      start = i + 1
+    return spans
+  want = _snippet_tokens(snippet)
+  if not want:
+    return []
+  toks = _code_tokens(text)
+  line_start = _offsets(text)
+  at = lambda rc: line_start[rc[0] - 1] + rc[1]
+  k = len(want)
+  return [(at(toks[i][1]), at(toks[i + k - 1][2]))
+          for i in range(len(toks) - k + 1)
+          if [t[0] for t in toks[i:i + k]] == want]
+
+
+def apply_mutant(text: str, m: Mutant) -> str:
+  """The text with m's snippet replaced; ValueError unless found once."""
+  spans = find_spans(text, m.old)
+  if len(spans) != 1:
+    raise ValueError(f"snippet found {len(spans)} times in {m.file}"
+                     " (must be exactly once)")
+  (a, b), = spans
+  new = m.new
+  if text[a:b] != m.old:
+    # Matched on tokens: the span starts at the first token and ends at the
+    # last, so drop the snippet's own surrounding whitespace from the
+    # replacement.
+    lead = m.old[:len(m.old) - len(m.old.lstrip())]
+    trail = m.old[len(m.old.rstrip()):]
+    if lead and new.startswith(lead):
+      new = new[len(lead):]
+    if trail and new.endswith(trail):
+      new = new[:len(new) - len(trail)]
+  return text[:a] + new + text[b:]
+
+
+def _tree(text: str) -> ast.Module:
+  """The module's AST, with docstrings' layout normalised.
+
+  A formatter may re-indent docstrings: the tree is equal for a file and its
+  reformatted copy.
+  """
+  tree = ast.parse(text)
+  for node in ast.walk(tree):
+    body = getattr(node, "body", None)
+    if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)):
+      doc = body[0].value.value
+      body[0].value.value = "\n".join(l.strip() for l in doc.splitlines()
+                                      ).strip()
+  return tree
+
+
+def ast_change(before: str, after: str) -> list[str]:
+  """The edits between two versions of a module, free of layout.
+
+  Compared as ``ast.unparse`` prints them: ``'old' -> 'new'`` per edited run
+  of characters.
+  """
+  a = ast.unparse(_tree(before)).splitlines()
+  b = ast.unparse(_tree(after)).splitlines()
+  old = [l for l in difflib.unified_diff(a, b, lineterm="", n=0)
+         if l.startswith("-") and not l.startswith("---")]
+  new = [l for l in difflib.unified_diff(a, b, lineterm="", n=0)
+         if l.startswith("+") and not l.startswith("+++")]
+  # Only the edited characters: the lines around them may differ between a
+  # file and its linted copy (``Optional[x]`` against ``x | None``).
+  x, y = "\n".join(l[1:] for l in old), "\n".join(l[1:] for l in new)
+  ops = difflib.SequenceMatcher(None, x, y, autojunk=False).get_opcodes()
+  edits = [f"{x[i1:i2]!r} -> {y[j1:j2]!r}" for tag, i1, i2, j1, j2 in ops
+           if tag != "equal"]
+  return edits or old + new  # lines moved (a stage order): the moves
+
+
+def check_reformat(mutants: list[Mutant], root: Path = ROOT) -> list[str]:
+  """Problems of the mutants on a formatted copy of their files.
+
+  Copies the mutated files and pyproject.toml to a temporary folder, runs
+  ``ruff check --fix`` and ``ruff format`` there (the project's settings),
+  and requires every mutant to apply exactly once to the formatted file and
+  to change its AST exactly as it changes the unformatted file's.
+  """
+  files = sorted({m.file for m in mutants})
+  problems = []
+  with tempfile.TemporaryDirectory(prefix="grpo_mutants_fmt_") as tmp_name:
+    tmp = Path(tmp_name)
+    shutil.copy2(root / "pyproject.toml", tmp / "pyproject.toml")
+    for f in files:
+      (tmp / f).parent.mkdir(parents=True, exist_ok=True)
+      shutil.copy2(root / f, tmp / f)
+    ruff = [sys.executable, "-m", "ruff"]
+    for cmd in (ruff + ["check", "--fix", "--exit-zero", "--quiet", *files],
+                ruff + ["format", "--quiet", *files]):
+      subprocess.run(cmd, cwd=tmp, check=True, capture_output=True)
+    changed = sum((tmp / f).read_text(encoding="utf-8")
+                  != (root / f).read_text(encoding="utf-8") for f in files)
+    if not changed:
+      problems.append("ruff changed none of the files: nothing was tested")
+    for m in mutants:
+      raw = (root / m.file).read_text(encoding="utf-8")
+      fmt = (tmp / m.file).read_text(encoding="utf-8")
+      try:
+        want = ast_change(raw, apply_mutant(raw, m))
+        got = ast_change(fmt, apply_mutant(fmt, m))
+      except (ValueError, SyntaxError) as e:
+        problems.append(f"{m.name}: {type(e).__name__}: {e}")
+        continue
+      if not want:
+        problems.append(f"{m.name}: changes no code")
+      elif got != want:
+        problems.append(f"{m.name}: after the reformat it edits "
+                        + "; ".join(got) + " instead of " + "; ".join(want))
+  return problems
+
+
 def snippet_count(m: Mutant, root: Path = ROOT) -> int:
   path = root / m.file
   if not path.is_file():
     return -1
-  return path.read_text(encoding="utf-8").count(m.old)
+  return len(find_spans(path.read_text(encoding="utf-8"), m.old))
 
 
 def _problem(m: Mutant) -> str:
@@ -696,10 +906,11 @@ def run_mutant(m: Mutant, base: Path, tmp: Path, timeout: float) -> Result:
   copy = tmp / m.name
   shutil.copytree(base, copy)
   path = copy / m.file
-  text = path.read_text(encoding="utf-8")
-  if text.count(m.old) != 1:
-    return Result(m.name, "error", 0.0, "snippet not found exactly once")
-  path.write_text(text.replace(m.old, m.new), encoding="utf-8")
+  try:
+    mutated = apply_mutant(path.read_text(encoding="utf-8"), m)
+  except ValueError as e:
+    return Result(m.name, "error", 0.0, str(e))
+  path.write_text(mutated, encoding="utf-8")
   rc, out = _run([sys.executable, *PYTEST, *m.tests], copy, timeout)
   seconds = time.monotonic() - start
   shutil.rmtree(copy, ignore_errors=True)
@@ -749,6 +960,8 @@ def main(argv=None) -> int:
                   help="list the mutants and whether each snippet is found")
   ap.add_argument("--check", action="store_true",
                   help="only validate the snippets (exit 1 on a problem)")
+  ap.add_argument("--check-reformat", action="store_true",
+                  help="validate the snippets on a ruff-formatted copy too")
   ap.add_argument("--only", help="comma-separated shell globs of mutant names")
   ap.add_argument("--jobs", type=int, default=2, help="mutants run at once")
   ap.add_argument("--timeout", type=float, default=300,
@@ -762,6 +975,14 @@ def main(argv=None) -> int:
   dupes = {n for n in names if names.count(n) > 1}
   if dupes:
     raise SystemExit(f"duplicate mutant names: {sorted(dupes)}")
+
+  if args.check_reformat:
+    problems = check_reformat(mutants)
+    for line in problems:
+      print("ERROR  " + line)
+    print(f"{len(mutants)} mutants on a ruff-formatted copy,"
+          f" {len(problems)} problems")
+    return 1 if problems else 0
 
   if args.list or args.check:
     bad = 0

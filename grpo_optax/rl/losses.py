@@ -158,19 +158,20 @@ def kl_penalty(log_probs: jax.Array, ref_log_probs: jax.Array,
   With :math:`\delta = \ell_{ref} - \ell` at tokens sampled from
   :math:`\pi_\theta`:
 
-  ========  ==============================  =================================
-  estimator value                           expectation / gradient
-  ========  ==============================  =================================
-  ``k1``    :math:`-\delta`                 unbiased for KL; its gradient has
-                                            expectation 0
-  ``k2``    :math:`\delta^2/2`              biased; its gradient is exactly
-                                            :math:`\nabla\mathrm{KL}(\pi\|
-                                            \pi_{ref})`
-  ``k3``    :math:`e^{\delta} - \delta - 1`  unbiased for KL, >= 0, low
-                                            variance; its gradient is
-                                            :math:`\nabla\mathrm{KL}(\pi_{ref}
-                                            \|\pi)`, the *forward* KL's
-  ========  ==============================  =================================
+  =========  ===============================  ================================
+  estimator  value                            expectation / gradient
+  =========  ===============================  ================================
+  ``k1``     :math:`-\delta`                  unbiased for KL; its gradient
+                                              has expectation 0
+  ``k2``     :math:`\delta^2/2`               biased; its gradient is exactly
+                                              :math:`\nabla\mathrm{KL}(\pi\|
+                                              \pi_{ref})`
+  ``k3``     :math:`e^{\delta} - \delta - 1`  unbiased for KL, >= 0, low
+                                              variance; its gradient is
+                                              :math:`\nabla\mathrm{KL}(
+                                              \pi_{ref}\|\pi)`, the
+                                              *forward* KL's
+  =========  ===============================  ================================
 
   "Gradient" means the expectation over samples of the gradient of the
   estimate, the samples themselves not differentiated (as in a loss). k3 is

@@ -442,7 +442,8 @@ class DataParallelStep:
       batch: a pytree of arrays whose leading dimension (the global batch
         size) is divisible by the number of devices of the data axes: NumPy
         arrays holding the whole global batch (the same on every process),
-        ``jax.Array``s, or ``jax.ShapeDtypeStruct``s (for :meth:`lower`).
+        ``jax.Array`` values, or ``jax.ShapeDtypeStruct`` values (for
+        :meth:`lower`).
     """
     for x in jax.tree.leaves(batch):
       shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
