@@ -395,7 +395,7 @@ def local_steps_step(loss_fn: Callable[[Any, Any], Any],
     >>> x = np.ones((2, 8 * jax.device_count(), 4), np.float32)
     >>> state, loss = ls.round(state, (x, np.ones(x.shape[:2] + (1,),
     ...                                            np.float32)))
-    >>> int(state.round), float(loss)
+    >>> int(state.round), round(float(loss), 4)
     (1, 0.52)
 
   References:
