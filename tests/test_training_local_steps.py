@@ -245,3 +245,79 @@ def test_bad_batches_and_participation():
     training.default_outer_optimizer(0.0)
   with pytest.raises(ValueError, match=r"`momentum` must be in \[0, 1\)"):
     training.default_outer_optimizer(0.7, 1.0)
+
+
+def _exchange(tree, res, **kwargs):
+  def f(x, r):
+    x = jax.tree.map(lambda a: a[0], x)
+    r = jax.tree.map(lambda a: a[0], r)
+    mean, new = training.exchange_mean(x, r, "data", num_replicas=W,
+                                       **kwargs)
+    return mean, jax.tree.map(lambda a: a[None], new)
+
+  return jax.jit(jax.shard_map(f, mesh=_mesh(), in_specs=(P("data"),) * 2,
+                               out_specs=(P(), P("data"))))(tree, res)
+
+
+@pytest.mark.parametrize("exchange", ["dense", "shared_support"])
+def test_int8_exchange_matches_numpy_and_conserves(exchange):
+  rng = np.random.default_rng(4)
+  x = {"a": rng.normal(size=(W, 70)).astype(np.float32),
+       "b": rng.normal(size=(W, 3)).astype(np.float32)}
+  r = jax.tree.map(lambda v: 0.1 * v[::-1].copy(), x)
+  mean, new = _exchange(x, r, exchange=exchange, fraction=0.5,
+                        chunk_size=8, quantize="int8")
+  levels = training.int8_levels(W)
+  assert levels == 15
+  for k, width in (("a", 8), ("b", 3)):
+    acc = x[k] + r[k]
+    m = -(-acc.shape[1] // width)
+    c = np.pad(acc, ((0, 0), (0, m * width - acc.shape[1]))).reshape(
+        W, m, width)
+    keep = np.arange(m)
+    if exchange == "shared_support":
+      keep = np.sort(np.argsort(-(c ** 2).sum(axis=(0, 2)))[:-(-m // 2)])
+    scale = np.abs(c[:, keep]).max(axis=(0, 2))[None, :, None]
+    q = np.clip(np.round(c[:, keep] * levels / scale), -levels, levels)
+    want = np.zeros((m, width))
+    want[keep] = q.sum(0) * scale[0] / levels / W
+    want = want.reshape(-1)[:acc.shape[1]]
+    np.testing.assert_allclose(mean[k], want, rtol=1e-5, atol=1e-6)
+    # Error feedback: the mean plus the mean residual is the exact mean.
+    np.testing.assert_allclose(
+        np.asarray(mean[k]) + np.asarray(new[k]).mean(0), acc.mean(0),
+        rtol=1e-5, atol=1e-5)
+  # Rounding to 15 levels: the mean is close to, not equal to, the truth.
+  err = np.abs(np.asarray(mean["a"]) - (x["a"] + r["a"]).mean(0))
+  if exchange == "dense":
+    assert 0 < err.max() < 0.1
+
+
+def test_int8_round_sends_int8():
+  ls = training.local_steps_step(
+      _loss, optax.sgd(0.1), _mesh(), local_steps=H, quantize="int8",
+      chunk_size=4)
+  state = ls.init(_params())
+  hlo = ls.lower(state, _batches(1)[0]).compile().as_text()
+  ops = training.collective_ops(hlo)
+  # The payload: w (10 entries) in 3 chunks of 4 (padded to 12) and b (2)
+  # in one chunk: one all-reduce of 14 int8 values; the 4 chunk scales
+  # (pmax, 16 bytes); the loss and the participation count (8 bytes).
+  assert sorted(ops) == [("all-reduce", 8, W), ("all-reduce", 14, W),
+                         ("all-reduce", 16, W)]
+  assert any("s8[14]" in line and "all-reduce" in line
+             for line in hlo.splitlines())
+  state, loss = ls.round(state, _batches(1)[0])
+  assert np.isfinite(float(loss))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"quantize": "int4"}, "`quantize` must be one of"),
+    ({"quantize": "int8", "exchange": "all_gather"}, "needs `exchange`"),
+])
+def test_bad_quantize(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    training.local_steps_step(_loss, optax.sgd(0.1), _mesh(), local_steps=2,
+                              **kwargs)
+  with pytest.raises(ValueError, match="at most 127 replicas"):
+    training.int8_levels(128)

@@ -44,6 +44,8 @@ from grpo_optax.training.immediate import stacked_loss_fn
 from grpo_optax.training.immediate import StackedParams
 from grpo_optax.training.immediate import train_step
 from grpo_optax.training.local_steps import default_outer_optimizer
+from grpo_optax.training.local_steps import exchange_mean
+from grpo_optax.training.local_steps import int8_levels
 from grpo_optax.training.local_steps import local_steps_step
 from grpo_optax.training.local_steps import LocalSteps
 from grpo_optax.training.local_steps import LocalStepsState
@@ -69,8 +71,10 @@ __all__ = (
     "data_parallel_step",
     "default_is_core",
     "default_outer_optimizer",
+    "exchange_mean",
     "frozen_train_step",
     "hierarchical_step",
+    "int8_levels",
     "layerwise_train_step",
     "local_steps_step",
     "outer_step",

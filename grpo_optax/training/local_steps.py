@@ -29,7 +29,10 @@ parallelism (:math:`\\bar\\Delta = lr\\, \\bar g`).
 
 The exchange of :math:`\\Delta_i` goes through
 :func:`grpo_optax.training.sparse_pmean` (``"dense"``, ``"all_gather"`` or
-``"shared_support"``), with an error-feedback residual per replica. To
+``"shared_support"``), with an error-feedback residual per replica, or, with
+``quantize="int8"``, through :func:`exchange_mean`'s int8 payload (a
+per-chunk scale shared by the replicas, levels ``floor(127 / W)`` so that the
+int8 all-reduce is exact; the rounding error stays in the residual). To
 average over the reporting replicas only, replica ``i`` sends
 :math:`c_i = m_i \\frac{W}{K} \\Delta_i` (plus :math:`m_i r_i`): the mean of
 the :math:`c_i` over all ``W`` replicas is :math:`\\bar\\Delta`.
@@ -96,12 +99,152 @@ def _where(pred: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
+#: Payload formats of the outer exchange: float (``None``) or ``"int8"``.
+QUANTIZE = (None, "int8")
+
+
+def _check_quantize(quantize: Any, exchange: str) -> Any:
+  if quantize not in QUANTIZE:
+    raise ValueError(f"`quantize` must be one of {QUANTIZE}, got "
+                     f"{quantize!r}.")
+  if quantize is not None and exchange == "all_gather":
+    raise ValueError("`quantize='int8'` needs `exchange` 'dense' or "
+                     "'shared_support' (a summed payload), got 'all_gather'.")
+  return quantize
+
+
+def int8_levels(num_replicas: int) -> int:
+  """Levels ``L = floor(127 / W)`` of the int8 payload: ``W`` replicas'
+  values in ``[-L, L]`` sum to at most 127 in magnitude, so the int8
+  all-reduce is exact (no overflow, no rounding in the sum)."""
+  if num_replicas > 127:
+    raise ValueError(f"the int8 exchange supports at most 127 replicas, got "
+                     f"{num_replicas}.")
+  return 127 // num_replicas
+
+
+def _chunks(a: jax.Array, chunk_size: int) -> jax.Array:
+  n = a.size
+  m = distributed.num_chunks(n, chunk_size)
+  width = distributed.chunk_width(n, chunk_size)
+  c = a.reshape(-1)
+  if m * width != n:
+    c = jnp.pad(c, (0, m * width - n))
+  return c.reshape(m, width)
+
+
+def _int8_pmean(accs, axis_name, num_replicas, fraction, chunk_size,
+                select):
+  """Mean of the chosen chunks, exchanged as int8 with per-chunk scales.
+
+  Chunks as in the shared support (``select``: chosen by the all-reduced
+  squared norms; else all of them). Each chosen chunk ``c`` has the shared
+  scale ``s_c = max_i max|a_i[c]|`` (one all-reduce of ``k`` floats);
+  replica ``i`` sends ``q_i = round(L a_i[c] / s_c)`` in int8, ``L`` =
+  :func:`int8_levels`; ``sum_i q_i`` (one int8 all-reduce, exact) gives the
+  mean ``s_c / (L W) sum_i q_i``. The residual keeps ``a_i - s_c q_i / L``
+  (the rounding error and the chunks not chosen).
+  """
+  levels = int8_levels(num_replicas)
+  chunked = [None if a.size == 0 else _chunks(a.astype(jnp.float32),
+                                              chunk_size) for a in accs]
+  live = [c for c in chunked if c is not None]
+  if not live:
+    return [jnp.zeros(a.shape, a.dtype) for a in accs], list(accs)
+  picks = [jnp.arange(c.shape[0]) for c in live]
+  if select:
+    scores = jax.lax.psum(jnp.concatenate(
+        [jnp.sum(jnp.square(c), axis=1) for c in live]), axis_name)
+    picks, offset = [], 0
+    for c in live:
+      m = c.shape[0]
+      _, idx = jax.lax.top_k(scores[offset:offset + m],
+                             distributed.num_kept(m, fraction))
+      picks.append(idx)
+      offset += m
+  sel = [c[idx] for c, idx in zip(live, picks)]
+  scale = jax.lax.pmax(jnp.concatenate(
+      [jnp.max(jnp.abs(x), axis=1) for x in sel]), axis_name)
+  scale = jnp.where(scale > 0, scale, 1.0)
+  qs, offset = [], 0
+  for x in sel:
+    sc = scale[offset:offset + x.shape[0], None]
+    offset += x.shape[0]
+    qs.append(jnp.clip(jnp.round(x * levels / sc), -levels, levels))
+  flat = jnp.concatenate([q.reshape(-1) for q in qs]).astype(jnp.int8)
+  total = jax.lax.psum(flat, axis_name).astype(jnp.float32)
+  means, residuals, offset, soff, j = [], [], 0, 0, 0
+  for a, c in zip(accs, chunked):
+    if c is None:
+      means.append(jnp.zeros(a.shape, a.dtype))
+      residuals.append(a)
+      continue
+    idx, q = picks[j], qs[j]
+    j += 1
+    k, width = q.shape
+    sc = scale[soff:soff + k, None] / levels
+    soff += k
+    block = total[offset:offset + k * width].reshape(k, width)
+    offset += k * width
+    mean = jnp.zeros(c.shape, jnp.float32).at[idx].set(
+        block * sc / num_replicas)
+    res = c.at[idx].add(-q * sc)
+    means.append(mean.reshape(-1)[:a.size].reshape(a.shape).astype(a.dtype))
+    residuals.append(res.reshape(-1)[:a.size].reshape(a.shape).astype(
+        a.dtype))
+  return means, residuals
+
+
+def exchange_mean(tree: Any, residual: Any, axis_name: AxisName, *,
+                  num_replicas: int, exchange: str = "dense",
+                  fraction: float = 0.3, chunk_size: int = 64,
+                  quantize: Any = None) -> tuple[Any, Any]:
+  """:func:`grpo_optax.training.sparse_pmean`, or its int8 payload form.
+
+  With ``quantize=None`` this is ``sparse_pmean`` (float payload). With
+  ``quantize="int8"``: ``a_i = x_i + r_i`` is cut into chunks of
+  ``chunk_size`` entries; ``"dense"`` sends every chunk, ``"shared_support"``
+  the ``ceil(fraction m)`` chunks of largest all-reduced norm; the values
+  travel as int8 in ``[-L, L]``, ``L = floor(127 / W)``, on a per-chunk
+  scale shared by the replicas (so the int8 all-reduce is exact), and the
+  residual keeps what was not sent, rounding error included (error
+  feedback). Bytes: about ``fraction / 4 + 2 / chunk_size`` of the float
+  all-reduce.
+
+  Args:
+    tree: this replica's values (a pytree of float arrays).
+    residual: this replica's residual (same structure) or None.
+    axis_name: the mesh axis of the replicas.
+    num_replicas: the size of ``axis_name`` (``W``).
+    exchange, fraction, chunk_size: as in ``sparse_pmean``.
+    quantize: None or ``"int8"``.
+
+  Returns:
+    ``(mean, new_residual)`` as ``sparse_pmean``.
+  """
+  quantize = _check_quantize(quantize, exchange)
+  if quantize is None:
+    return distributed.sparse_pmean(tree, residual, axis_name,
+                                    exchange=exchange, fraction=fraction,
+                                    chunk_size=chunk_size)
+  leaves, treedef = jax.tree.flatten(tree)
+  if residual is not None:
+    leaves = [x + r.astype(x.dtype)
+              for x, r in zip(leaves, treedef.flatten_up_to(residual))]
+  means, residuals = _int8_pmean(
+      leaves, axis_name, num_replicas, distributed._check_fraction(fraction),  # pylint: disable=protected-access
+      distributed._check_chunk_size(chunk_size),  # pylint: disable=protected-access
+      select=exchange == "shared_support")
+  return (treedef.unflatten(means),
+          None if residual is None else treedef.unflatten(residuals))
+
+
 def outer_step(outer_params: Any, local_params: Any, outer_opt_state: Any,
                residual: Any, axis_name: AxisName, *,
                outer_tx: optax.GradientTransformation,
                participate: Any = True, exchange: str = "dense",
-               fraction: float = 0.3, chunk_size: int = 64
-               ) -> tuple[Any, Any, Any, jax.Array]:
+               fraction: float = 0.3, chunk_size: int = 64,
+               quantize: Any = None) -> tuple[Any, Any, Any, jax.Array]:
   r"""The outer step of a local-step round, inside :func:`jax.shard_map`.
 
   Call it after each replica's ``H`` inner steps, with ``outer_params``
@@ -126,6 +269,8 @@ def outer_step(outer_params: Any, local_params: Any, outer_opt_state: Any,
     participate: this replica's participation in the round, a bool or 0/1
       scalar (may vary over the replicas).
     exchange, fraction, chunk_size: as in :func:`sparse_pmean`.
+    quantize: None (float payload) or ``"int8"`` (see
+      :func:`exchange_mean`).
 
   Returns:
     ``(new_outer_params, new_outer_opt_state, new_residual, K)``; the first
@@ -133,15 +278,15 @@ def outer_step(outer_params: Any, local_params: Any, outer_opt_state: Any,
   """
   m = jnp.asarray(participate).astype(jnp.float32)
   k = jax.lax.psum(m, axis_name)
-  w = jax.lax.psum(jnp.float32(1), axis_name)
+  w = jax.lax.axis_size(axis_name)
   scale = jnp.where(k > 0, m * w / jnp.maximum(k, 1.0), 0.0)
   delta = jax.tree.map(lambda t, x: ((t - x) * scale).astype(x.dtype),
                        outer_params, local_params)
   sent_residual = None if residual is None else jax.tree.map(
       lambda r: r * m.astype(r.dtype), residual)
-  mean, new_residual = distributed.sparse_pmean(
-      delta, sent_residual, axis_name, exchange=exchange, fraction=fraction,
-      chunk_size=chunk_size)
+  mean, new_residual = exchange_mean(
+      delta, sent_residual, axis_name, num_replicas=w, exchange=exchange,
+      fraction=fraction, chunk_size=chunk_size, quantize=quantize)
   if residual is not None:
     new_residual = _where(m > 0, new_residual, residual)
   updates, new_state = outer_tx.update(mean, outer_opt_state, outer_params)
@@ -198,13 +343,15 @@ class LocalSteps:
   :func:`grpo_optax.training.ring_traffic`).
 
   Attributes:
-    mesh, axis, local_steps, exchange, fraction, chunk_size: as built.
+    mesh, axis, local_steps, exchange, fraction, chunk_size, quantize: as
+      built.
     num_replicas: the size of ``axis`` (``W``).
     error_feedback: whether the state holds residuals.
   """
 
   def __init__(self, loss_fn, tx, mesh, *, local_steps, outer_tx, axis,
-               exchange, fraction, error_feedback, chunk_size, donate):
+               exchange, fraction, error_feedback, chunk_size, quantize,
+               donate):
     if not callable(loss_fn):
       raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn)}.")
     for name, t in (("tx", tx), ("outer_tx", outer_tx)):
@@ -223,11 +370,15 @@ class LocalSteps:
     self.fraction = distributed._check_fraction(fraction)  # pylint: disable=protected-access
     self.chunk_size = distributed._check_chunk_size(chunk_size)  # pylint: disable=protected-access
     self.local_steps = _check_local_steps(local_steps)
+    self.quantize = _check_quantize(quantize, self.exchange)
     self.loss_fn, self.tx, self.outer_tx, self.mesh = (loss_fn, tx, outer_tx,
                                                        mesh)
     self.axis = axis
-    self.error_feedback = error_feedback and exchange != "dense"
+    self.error_feedback = error_feedback and (exchange != "dense"
+                                              or quantize is not None)
     self.num_replicas = mesh.shape[axis]
+    if quantize is not None:
+      int8_levels(self.num_replicas)
     self._replicated = NamedSharding(mesh, P())
     self._per_replica = NamedSharding(mesh, P(axis))
     self._batch_sharding = NamedSharding(mesh, P(None, axis))
@@ -342,7 +493,8 @@ class LocalSteps:
     params, outer, residual, _ = outer_step(
         state.params, local, state.outer_opt_state, residual, self.axis,
         outer_tx=self.outer_tx, participate=m, exchange=self.exchange,
-        fraction=self.fraction, chunk_size=self.chunk_size)
+        fraction=self.fraction, chunk_size=self.chunk_size,
+        quantize=self.quantize)
     inner = _where(m > 0, inner, inner0)   # A missing replica's work is lost.
     stack = lambda tree: None if tree is None else jax.tree.map(
         lambda x: x[None], tree)
@@ -357,7 +509,8 @@ def local_steps_step(loss_fn: Callable[[Any, Any], Any],
                      outer_tx: optax.GradientTransformation | None = None,
                      axis: str = "data", exchange: str = "dense",
                      fraction: float = 0.3, error_feedback: bool = True,
-                     chunk_size: int = 64, donate: bool = True) -> LocalSteps:
+                     chunk_size: int = 64, quantize: Any = None,
+                     donate: bool = True) -> LocalSteps:
   r"""Local-step (DiLoCo) data parallelism over ``mesh``.
 
   One *round* per call: every replica :math:`i` starts from the outer
@@ -381,6 +534,7 @@ def local_steps_step(loss_fn: Callable[[Any, Any], Any],
     exchange, fraction, chunk_size: the exchange of the pseudo-gradients, as
       in :func:`grpo_optax.training.sparse_pmean`.
     error_feedback: keep a per-replica residual of what was not sent.
+    quantize: None (float payload) or ``"int8"`` (:func:`exchange_mean`).
     donate: donate the state to the compiled round.
 
   Returns:
@@ -406,7 +560,7 @@ def local_steps_step(loss_fn: Callable[[Any, Any], Any],
   return LocalSteps(loss_fn, tx, mesh, local_steps=local_steps,
                     outer_tx=outer_tx, axis=axis, exchange=exchange,
                     fraction=fraction, error_feedback=error_feedback,
-                    chunk_size=chunk_size, donate=donate)
+                    chunk_size=chunk_size, quantize=quantize, donate=donate)
 
 
 def round_traffic_per_step(compiled: Any, local_steps: int) -> float:
@@ -423,5 +577,6 @@ def round_traffic_per_step(compiled: Any, local_steps: int) -> float:
   return distributed.ring_traffic(compiled)["total"] / h
 
 
-__all__ = ("LocalSteps", "LocalStepsState", "default_outer_optimizer",
+__all__ = ("LocalSteps", "LocalStepsState", "QUANTIZE",
+           "default_outer_optimizer", "exchange_mean", "int8_levels",
            "local_steps_step", "outer_step", "round_traffic_per_step")
