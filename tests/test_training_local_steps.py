@@ -150,39 +150,39 @@ def test_round_nobody_reports_changes_nothing_outer():
   assert int(after.round) == 2
 
 
-@pytest.mark.parametrize("exchange", ["shared_support", "all_gather"])
-def test_outer_step_error_feedback_conserves_the_masked_sum(exchange):
-  """mean sent + mean new residual = mean(c_i + m_i r_i) (nothing lost)."""
+@pytest.mark.parametrize("exchange, quantize", [
+    ("shared_support", None), ("all_gather", None), ("dense", "int8"),
+    ("shared_support", "int8")])
+def test_outer_step_keeps_what_it_did_not_send(exchange, quantize):
+  """mean sent + (1/K) sum unsent = the reporting replicas' mean change."""
   rng = np.random.default_rng(3)
   theta = {"w": rng.normal(size=(300,)).astype(np.float32)}
   local = {"w": rng.normal(size=(W, 300)).astype(np.float32)}
-  res = {"w": rng.normal(size=(W, 300)).astype(np.float32) * 0.1}
   mask = np.array([1, 1, 0, 1, 1, 1, 0, 1], np.float32)
-
   tx = optax.sgd(1.0)
   tx_state = tx.init(theta)
 
-  def f(theta, local, res, m):
+  def f(theta, local, m):
     local = jax.tree.map(lambda x: x[0], local)
-    res = jax.tree.map(lambda x: x[0], res)
-    new, _, r, k = training.outer_step(
-        theta, local, tx_state, res, "data", outer_tx=tx,
-        participate=m[0], exchange=exchange, fraction=0.1, chunk_size=16)
-    return new, jax.tree.map(lambda x: x[None], r), k
+    new, _, e, k = training.outer_step(
+        theta, local, tx_state, "data", outer_tx=tx, participate=m[0],
+        exchange=exchange, fraction=0.1, chunk_size=16, quantize=quantize)
+    return new, jax.tree.map(lambda x: x[None], e), k
 
-  new, new_res, k = jax.jit(jax.shard_map(
-      f, mesh=_mesh(), in_specs=(P(), P("data"), P("data"), P("data")),
-      out_specs=(P(), P("data"), P())))(theta, local, res, mask)
+  new, unsent, k = jax.jit(jax.shard_map(
+      f, mesh=_mesh(), in_specs=(P(), P("data"), P("data")),
+      out_specs=(P(), P("data"), P())))(theta, local, mask)
   assert float(k) == 6
   sent = theta["w"] - np.asarray(new["w"])
-  scale = mask * W / mask.sum()
-  contrib = (scale[:, None] * (theta["w"] - local["w"])
-             + mask[:, None] * res["w"])
-  new_res = np.asarray(new_res["w"])
-  np.testing.assert_allclose(sent + new_res[mask > 0].sum(0) / W,
-                             contrib.mean(0), rtol=1e-5, atol=1e-5)
-  np.testing.assert_array_equal(new_res[mask == 0], res["w"][mask == 0])
-  assert np.count_nonzero(sent) < 0.5 * sent.size    # It was sparse.
+  unsent = np.asarray(unsent["w"])
+  delta = theta["w"] - local["w"]
+  np.testing.assert_allclose(sent + unsent.sum(0) / 6,
+                             delta[mask > 0].mean(0), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(unsent[mask == 0], 0)
+  if quantize is None:
+    assert np.count_nonzero(sent) < 0.5 * sent.size    # It was sparse.
+  else:
+    assert np.abs(unsent).max() > 0
 
 
 def test_grpo_inner_and_shared_support_outer_train():
@@ -192,8 +192,8 @@ def test_grpo_inner_and_shared_support_outer_train():
   state, losses = _run(ls, _batches(4, seed=1) * 2)
   assert all(np.isfinite(losses))
   assert losses[-1] < losses[0]
-  assert state.residual is not None
-  assert np.asarray(state.residual["w"]).shape == (W, D, 2)
+  assert state.unsent is not None
+  assert np.asarray(state.unsent["w"]).shape == (W, D, 2)
 
 
 def test_round_sends_the_exchange_once():

@@ -191,6 +191,7 @@ class Replicas:
     self.num_replicas = jax.device_count()
     self.mesh = jax.make_mesh((self.num_replicas,), (AXIS,))
     self._sync = None
+    self._graphdef = None
 
   @property
   def _state_spec(self) -> P:
@@ -262,22 +263,27 @@ class Replicas:
     """Compiles the outer step of ``--local-steps`` for ``graphdef``."""
     outer_tx = training.default_outer_optimizer(self.outer_lr,
                                                 self.outer_momentum)
+    self._graphdef = graphdef
 
-    def sync(state, residual, outer):
+    def sync(state, unsent, outer):
       model, optimizer = nnx.merge(graphdef, _unstack(state))
       local = nnx.state(model, nnx.Param)
       leaves, treedef = jax.tree.flatten(nnx.to_pure_dict(local))
-      res = None if residual is None else [r[0] for r in residual]
-      params, opt_state, res, _ = training.outer_step(
-          outer["params"], leaves, outer["opt_state"], res, AXIS,
-          outer_tx=outer_tx, exchange=self.exchange, fraction=self.fraction,
+      params, opt_state, unsent, _ = training.outer_step(
+          outer["params"], leaves, outer["opt_state"], AXIS,
+          outer_tx=outer_tx, error_feedback=unsent is not None,
+          exchange=self.exchange, fraction=self.fraction,
           chunk_size=self.chunk_size, quantize=self.outer_quantize)
-      nnx.replace_by_pure_dict(local, treedef.unflatten(params))
+      # The next round starts at the new outer parameters, less what this
+      # replica's change did not get sent (error feedback).
+      start = params if unsent is None else [p - e for p, e in
+                                             zip(params, unsent)]
+      nnx.replace_by_pure_dict(local, treedef.unflatten(start))
       nnx.update(model, local)
       nnx.update(model, jax.lax.pmean(nnx.state(model, nnx.BatchStat), AXIS))
-      residual = None if res is None else [r[None] for r in res]
+      unsent = None if unsent is None else [e[None] for e in unsent]
       outer = {"params": params, "opt_state": opt_state}
-      return _stack(nnx.state((model, optimizer))), residual, outer
+      return _stack(nnx.state((model, optimizer))), unsent, outer
 
     mapped = jax.shard_map(sync, mesh=self.mesh,
                            in_specs=(P(AXIS), P(AXIS), P()),
@@ -292,8 +298,8 @@ class Replicas:
                                        or done == total)
 
   def outer_sync(self, state, residual, outer):
-    """The outer step: ``(state, residual, outer)`` with every replica at
-    the new outer parameters."""
+    """The outer step: ``(state, unsent, outer)`` with every replica at the
+    new outer parameters (less its unsent part)."""
     return self._sync(state, residual, outer)
 
   def init_outer(self, params: Any) -> dict[str, Any] | None:
@@ -344,8 +350,9 @@ class Replicas:
     return self._put(x, P(AXIS))
 
   def init_residual(self, params: Any):
-    """Zero error-feedback residuals per replica; None for the dense
-    exchange (float payload)."""
+    """Zero error-feedback residuals per replica (with local steps: the
+    unsent parts of the parameter change); None for the dense exchange
+    (float payload)."""
     if not self.has_residual:
       return None
     return [self._put(np.zeros((self.num_replicas,) + x.shape, x.dtype),
@@ -358,6 +365,18 @@ class Replicas:
     if self.local_steps:
       return jax.tree.map(lambda x: x.addressable_data(0)[0], tree)
     return jax.tree.map(lambda x: x.addressable_data(0), tree)
+
+  def outer_copy(self, state: Any, outer: dict[str, Any]) -> Any:
+    """A single-device copy of the state whose parameters are the outer
+    ones (the model the local-step run has trained; each replica's own
+    differs by its unsent part)."""
+    model, optimizer = nnx.merge(self._graphdef, self.local(state))
+    params = nnx.state(model, nnx.Param)
+    treedef = jax.tree.structure(nnx.to_pure_dict(params))
+    nnx.replace_by_pure_dict(params, treedef.unflatten(
+        [x.addressable_data(0) for x in outer["params"]]))
+    nnx.update(model, params)
+    return nnx.state((model, optimizer))
 
   def describe(self) -> dict[str, Any]:
     info = {"replicas": self.num_replicas, "processes": jax.process_count(),
@@ -441,9 +460,15 @@ def restore(workdir: Any, replicas: Replicas, state: Any,
   return step, history, (state, residual, outer)
 
 
-def single_device(tree: Any, replicas: Replicas | None) -> Any:
-  """``tree`` itself, or its single-device copy when data-parallel."""
-  return tree if replicas is None else replicas.local(tree)
+def single_device(tree: Any, replicas: Replicas | None,
+                  outer: dict | None = None) -> Any:
+  """``tree`` itself, or its single-device copy when data-parallel (with
+  local steps: with the outer parameters)."""
+  if replicas is None:
+    return tree
+  if outer is not None:
+    return replicas.outer_copy(tree, outer)
+  return replicas.local(tree)
 
 
 def jit_train_step(step: Callable[..., Any], replicas: Replicas | None, *,

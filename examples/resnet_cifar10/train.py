@@ -188,8 +188,8 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     evaluated = last or (args.eval_every and done % args.eval_every == 0)
     if evaluated:
       eval_loss, eval_acc = evaluate(
-          eval_step, parallel.single_device(state, replicas), dataset,
-          args.eval_batch_size)
+          eval_step, parallel.single_device(state, replicas, outer),
+          dataset, args.eval_batch_size)
       history["eval"].append([done, eval_loss, eval_acc])
       workdir.writer.write_scalars(done, {"eval/loss": eval_loss,
                                           "eval/accuracy": eval_acc})
@@ -197,7 +197,8 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
         bar.write(f"step {done}: held-out loss {eval_loss:.4f}, "
                   f"accuracy {eval_acc:.4f}")
     if workdir.should_checkpoint(done, evaluated=evaluated, last=last):
-      nnx.update((model, optimizer), parallel.single_device(state, replicas))
+      nnx.update((model, optimizer),
+                 parallel.single_device(state, replicas, outer))
       workdir.log_optimizer(done, optimizer)
       if replicas is None:
         workdir.save(done, model, optimizer, history)
@@ -205,7 +206,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
         parallel.save(workdir, done, history, state, residual, outer)
   bar.close()
 
-  state = parallel.single_device(state, replicas)
+  state = parallel.single_device(state, replicas, outer)
   nnx.update((model, optimizer), state)
   if not history["eval"] or history["eval"][-1][0] != args.steps:
     # Resumed from a finished run: evaluate the restored model once.

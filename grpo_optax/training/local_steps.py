@@ -17,9 +17,9 @@ gradient: :math:`(u, s) =` ``outer_tx.update(Delta_bar, s, theta)``,
 :math:`\\theta \\leftarrow \\theta + u`; the default is Nesterov SGD with
 learning rate 0.7 and momentum 0.9, as in DiLoCo. Every replica then starts
 the next round from the new :math:`\\theta`, so a replica that missed a round
-rejoins from the new outer parameters; its inner optimizer state and its
-error-feedback residual are those it had before the round it missed (its
-work of that round is lost, as when a worker dies mid-round). A round in
+rejoins from the new outer parameters; its inner optimizer state is the one
+it had before the round it missed (its work of that round is lost, as when a
+worker dies mid-round). A round in
 which no replica reports leaves :math:`\\theta` and the outer state as they
 were.
 
@@ -29,10 +29,13 @@ parallelism (:math:`\\bar\\Delta = lr\\, \\bar g`).
 
 The exchange of :math:`\\Delta_i` goes through
 :func:`grpo_optax.training.sparse_pmean` (``"dense"``, ``"all_gather"`` or
-``"shared_support"``), with an error-feedback residual per replica, or, with
-``quantize="int8"``, through :func:`exchange_mean`'s int8 payload (a
-per-chunk scale shared by the replicas, levels ``floor(127 / W)`` so that the
-int8 all-reduce is exact; the rounding error stays in the residual). To
+``"shared_support"``), or, with ``quantize="int8"``, through
+:func:`exchange_mean`'s int8 payload (a per-chunk scale shared by the
+replicas, levels ``floor(127 / W)`` so that the int8 all-reduce is exact).
+Error feedback lives in the parameters: what a compressed exchange did not
+send of :math:`\\Delta_i` (chunks not chosen, rounding error), :math:`e_i`,
+stays with the replica, which starts its next round at :math:`\\theta -
+e_i` (so its next :math:`\\Delta_i` contains it again). To
 average over the reporting replicas only, replica ``i`` sends
 :math:`c_i = m_i \\frac{W}{K} \\Delta_i` (plus :math:`m_i r_i`): the mean of
 the :math:`c_i` over all ``W`` replicas is :math:`\\bar\\Delta`.
@@ -240,41 +243,52 @@ def exchange_mean(tree: Any, residual: Any, axis_name: AxisName, *,
 
 
 def outer_step(outer_params: Any, local_params: Any, outer_opt_state: Any,
-               residual: Any, axis_name: AxisName, *,
-               outer_tx: optax.GradientTransformation,
-               participate: Any = True, exchange: str = "dense",
-               fraction: float = 0.3, chunk_size: int = 64,
-               quantize: Any = None) -> tuple[Any, Any, Any, jax.Array]:
+               axis_name: AxisName, *, outer_tx: optax.GradientTransformation,
+               participate: Any = True, error_feedback: bool = True,
+               exchange: str = "dense", fraction: float = 0.3,
+               chunk_size: int = 64, quantize: Any = None
+               ) -> tuple[Any, Any, Any, jax.Array]:
   r"""The outer step of a local-step round, inside :func:`jax.shard_map`.
 
   Call it after each replica's ``H`` inner steps, with ``outer_params``
   :math:`\theta` (invariant over ``axis_name``) and this replica's
   ``local_params`` :math:`\theta_i`. With :math:`\Delta_i = \theta -
   \theta_i`, :math:`K = \sum_j m_j` and :math:`c_i = m_i \frac{W}{K}
-  \Delta_i`: :math:`\bar\Delta` = ``sparse_pmean(c_i, m_i r_i)``
-  (:math:`= \frac1K \sum_{m_i = 1} \Delta_i` for the dense exchange), then
-  :math:`(u, s)` = ``outer_tx.update(Delta_bar, s, theta)`` and
-  :math:`\theta \leftarrow \theta + u` when :math:`K > 0` (else unchanged).
-  A replica with :math:`m_i = 0` sends zeros and keeps its residual.
+  \Delta_i`: :math:`\bar\Delta` = the exchange's mean of the :math:`c_i`
+  (:func:`exchange_mean`; :math:`= \frac1K \sum_{m_i = 1} \Delta_i` for the
+  dense float exchange), then :math:`(u, s)` = ``outer_tx.update(Delta_bar,
+  s, theta)`` and :math:`\theta \leftarrow \theta + u` when :math:`K > 0`
+  (else unchanged).
+
+  Error feedback lives in the replica's parameters: the part of
+  :math:`\Delta_i` a compressed exchange did not send, :math:`e_i =
+  (c_i - \mathrm{sent}_i) K / W` (chunks not chosen, int8 rounding), is
+  returned, and the replica starts its next round at :math:`\theta - e_i`
+  instead of :math:`\theta`: it keeps the progress it has not sent, and its
+  next :math:`\Delta_i` contains it again. A replica with :math:`m_i = 0`
+  sends zeros and gets :math:`e_i = 0`: it rejoins from the new
+  :math:`\theta`.
 
   Args:
     outer_params: the outer parameters, the same on every replica.
     local_params: this replica's parameters after its inner steps.
     outer_opt_state: the ``outer_tx`` state (replicated).
-    residual: this replica's error-feedback residual (structure of the
-      params), or None (no error feedback).
     axis_name: the mesh axis (or axes) the replicas span.
     outer_tx: the outer optax transformation, e.g.
       :func:`default_outer_optimizer`.
     participate: this replica's participation in the round, a bool or 0/1
       scalar (may vary over the replicas).
+    error_feedback: return :math:`e_i` (else None: what was not sent is
+      dropped).
     exchange, fraction, chunk_size: as in :func:`sparse_pmean`.
     quantize: None (float payload) or ``"int8"`` (see
       :func:`exchange_mean`).
 
   Returns:
-    ``(new_outer_params, new_outer_opt_state, new_residual, K)``; the first
-    two and ``K`` (float32) are the same on every replica.
+    ``(new_outer_params, new_outer_opt_state, unsent, K)``: the first two
+    and ``K`` (float32) are the same on every replica; ``unsent`` is
+    :math:`e_i` (None without error feedback); the next round starts at
+    ``new_outer_params - unsent``.
   """
   m = jnp.asarray(participate).astype(jnp.float32)
   k = jax.lax.psum(m, axis_name)
@@ -282,18 +296,19 @@ def outer_step(outer_params: Any, local_params: Any, outer_opt_state: Any,
   scale = jnp.where(k > 0, m * w / jnp.maximum(k, 1.0), 0.0)
   delta = jax.tree.map(lambda t, x: ((t - x) * scale).astype(x.dtype),
                        outer_params, local_params)
-  sent_residual = None if residual is None else jax.tree.map(
-      lambda r: r * m.astype(r.dtype), residual)
-  mean, new_residual = exchange_mean(
-      delta, sent_residual, axis_name, num_replicas=w, exchange=exchange,
+  zeros = jax.tree.map(jnp.zeros_like, delta) if error_feedback else None
+  mean, left = exchange_mean(
+      delta, zeros, axis_name, num_replicas=w, exchange=exchange,
       fraction=fraction, chunk_size=chunk_size, quantize=quantize)
-  if residual is not None:
-    new_residual = _where(m > 0, new_residual, residual)
+  unsent = None
+  if error_feedback:
+    back = jnp.where(m > 0, k / w, 0.0)
+    unsent = jax.tree.map(lambda r: (r * back).astype(r.dtype), left)
   updates, new_state = outer_tx.update(mean, outer_opt_state, outer_params)
   new_params = optax.apply_updates(outer_params, updates)
   reported = k > 0
   return (_where(reported, new_params, outer_params),
-          _where(reported, new_state, outer_opt_state), new_residual, k)
+          _where(reported, new_state, outer_opt_state), unsent, k)
 
 
 class LocalStepsState(NamedTuple):
@@ -304,14 +319,16 @@ class LocalStepsState(NamedTuple):
     outer_opt_state: the ``outer_tx`` state, replicated.
     inner_opt_state: each replica's ``tx`` state: every leaf has a leading
       axis of size ``W``, sharded over the replicas.
-    residual: per-replica error-feedback residuals (leading axis ``W``), or
-      None (dense exchange, or no error feedback).
+    unsent: per replica (leading axis ``W``), the part of its last
+      parameter change the compressed exchange did not send; the replica's
+      next round starts at ``params - unsent`` (:func:`outer_step`). None
+      for the dense float exchange, or without error feedback.
     round: completed rounds (``shape=(), dtype=int32``), replicated.
   """
   params: Any
   outer_opt_state: Any
   inner_opt_state: Any
-  residual: Any
+  unsent: Any
   round: jax.Array
 
 
@@ -346,7 +363,7 @@ class LocalSteps:
     mesh, axis, local_steps, exchange, fraction, chunk_size, quantize: as
       built.
     num_replicas: the size of ``axis`` (``W``).
-    error_feedback: whether the state holds residuals.
+    error_feedback: whether the state holds the unsent parts.
   """
 
   def __init__(self, loss_fn, tx, mesh, *, local_steps, outer_tx, axis,
@@ -391,7 +408,7 @@ class LocalSteps:
   # -- state and data -------------------------------------------------------
 
   def init(self, params: Any) -> LocalStepsState:
-    """Replicates ``params`` and initialises both optimizers (and residuals).
+    """Replicates ``params``, initialises both optimizers (and zero unsent).""
 
     ``params`` must be the same on every process (e.g. from the same seed).
     Every replica's inner state starts as ``tx.init(params)``.
@@ -406,14 +423,14 @@ class LocalSteps:
                           self.tx.init(p))
 
     inner = jax.jit(stack, out_shardings=self._per_replica)(params)
-    residual = None
+    unsent = None
     if self.error_feedback:
-      residual = jax.jit(
+      unsent = jax.jit(
           lambda p: jax.tree.map(lambda x: jnp.zeros((w,) + x.shape, x.dtype),
                                  p),
           out_shardings=self._per_replica)(params)
     count = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
-    return LocalStepsState(params, outer, inner, residual, count)
+    return LocalStepsState(params, outer, inner, unsent, count)
 
   def shard_batches(self, batches: Any) -> Any:
     """``H`` global batches (leaves ``(H, B, ...)``) split along ``B``."""
@@ -485,20 +502,20 @@ class LocalSteps:
     inner0 = jax.tree.map(lambda x: x[0], state.inner_opt_state)
     # Varying params: each replica trains its own copy; no implicit psum.
     start = jax.lax.pcast(state.params, self.axis, to="varying")
+    if state.unsent is not None:   # Keep what the last exchange did not send.
+      start = jax.tree.map(lambda p, e: p - e[0], start, state.unsent)
     local, inner, loss = self._inner(start, inner0, batches)
     m = mask[0]
-    residual = state.residual
-    if residual is not None:
-      residual = jax.tree.map(lambda r: r[0], residual)
-    params, outer, residual, _ = outer_step(
-        state.params, local, state.outer_opt_state, residual, self.axis,
-        outer_tx=self.outer_tx, participate=m, exchange=self.exchange,
+    params, outer, unsent, _ = outer_step(
+        state.params, local, state.outer_opt_state, self.axis,
+        outer_tx=self.outer_tx, participate=m,
+        error_feedback=self.error_feedback, exchange=self.exchange,
         fraction=self.fraction, chunk_size=self.chunk_size,
         quantize=self.quantize)
     inner = _where(m > 0, inner, inner0)   # A missing replica's work is lost.
     stack = lambda tree: None if tree is None else jax.tree.map(
         lambda x: x[None], tree)
-    new = LocalStepsState(params, outer, stack(inner), stack(residual),
+    new = LocalStepsState(params, outer, stack(inner), stack(unsent),
                           optax.safe_increment(state.round))
     return new, jax.lax.pmean(loss, self.axis)
 
@@ -533,7 +550,8 @@ def local_steps_step(loss_fn: Callable[[Any, Any], Any],
     axis: the mesh axis of the replicas.
     exchange, fraction, chunk_size: the exchange of the pseudo-gradients, as
       in :func:`grpo_optax.training.sparse_pmean`.
-    error_feedback: keep a per-replica residual of what was not sent.
+    error_feedback: keep what a compressed exchange did not send in the
+      replica's next start (:func:`outer_step`).
     quantize: None (float payload) or ``"int8"`` (:func:`exchange_mean`).
     donate: donate the state to the compiled round.
 
