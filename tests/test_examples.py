@@ -214,6 +214,22 @@ def test_grpo_flags_follow_the_signature():
     (["--data-parallel", "--num-processes", "2"], "--coordinator-address"),
     (["--data-parallel", "--num-processes", "2", "--process-id", "2",
       "--coordinator-address", "127.0.0.1:1"], "--process-id"),
+    (["--local-steps", "4"], "--local-steps needs --data-parallel"),
+    (["--data-parallel", "--local-steps", "-1"], "--local-steps must be"),
+    (["--data-parallel", "--local-steps", "4", "--eval-every", "6"],
+     "--eval-every must be a multiple of --local-steps 4"),
+    (["--data-parallel", "--local-steps", "5", "--eval-every", "10",
+      "--checkpoint-every", "3"], "--checkpoint-every must be a multiple"),
+    (["--data-parallel", "--local-steps", "2", "--eval-every", "50",
+      "--outer-momentum", "1"], "--outer-momentum must be in [0, 1)"),
+    (["--data-parallel", "--local-steps", "2", "--eval-every", "50",
+      "--outer-lr", "0"], "--outer-lr must be > 0"),
+    (["--data-parallel", "--outer-quantize", "int8"],
+     "--outer-quantize needs --local-steps"),
+    (["--data-parallel", "--local-steps", "2", "--eval-every", "50",
+      "--exchange", "all_gather", "--outer-quantize", "int8"],
+     "needs --exchange dense or shared_support"),
+    (["--distributed", "auto"], "need --data-parallel"),
 ])
 def test_bad_resnet_flags(capsys, argv, message):
   with pytest.raises(SystemExit) as exit_info:
