@@ -4,7 +4,7 @@ Run ``python -m benchmarks.local_steps [--quick] [--out DIR]`` (it forces 8
 CPU devices unless ``XLA_FLAGS`` already sets a device count); as 2
 processes of 4 devices: ``python -m examples.launch_multiprocess
 --num-processes 2 --devices-per-process 4 -- python -m
-benchmarks.local_steps --bytes-only --out DIR/two_process``. Writes
+benchmarks.local_steps --parts bytes --out DIR/two_process``. Writes
 ``DIR/local_steps.json`` and ``DIR/local_steps.md`` and prints the tables.
 
 1. Bytes per training step, from compiled HLO (ring model,
@@ -292,8 +292,9 @@ def main(argv=None) -> dict[str, Any]:
   parser.add_argument("--out", default="benchmarks/results")
   parser.add_argument("--quick", action="store_true",
                       help="Fewer rounds and seeds (a smoke test).")
-  parser.add_argument("--bytes-only", action="store_true")
-  parser.add_argument("--skip-bytes", action="store_true")
+  parser.add_argument("--parts", default="bytes,dropout,quality",
+                      help="Comma-separated parts to measure; the others "
+                      "are kept from an existing DIR/local_steps.json.")
   parser.add_argument("--bert-dense", default=None,
                       help="metrics.json of the dense data-parallel run.")
   parser.add_argument("--bert-local", default=None,
@@ -307,19 +308,25 @@ def main(argv=None) -> dict[str, Any]:
     jax.distributed.initialize(args.coordinator_address,
                                num_processes=args.num_processes,
                                process_id=args.process_id)
-  data: dict[str, Any] = {"command": COMMAND, "platform": platform.platform(),
-                          "devices": jax.device_count()}
-  if not args.skip_bytes:
+  parts = set(args.parts.split(","))
+  path = os.path.join(args.out, "local_steps.json")
+  data: dict[str, Any] = {}
+  if os.path.exists(path) and parts != {"bytes", "dropout", "quality"}:
+    with open(path) as f:
+      data = json.load(f)
+  data.update(command=COMMAND, platform=platform.platform(),
+              devices=jax.device_count())
+  if "bytes" in parts:
     data["bytes"] = measure_bytes(4 if args.quick else LOCAL_STEPS)
-  if not args.bytes_only:
+  if "dropout" in parts:
     data["dropout"] = (measure_dropout(rounds=8, local_steps=2, seeds=2)
                        if args.quick else measure_dropout())
-  if args.bert_dense and args.bert_local:
+  if "quality" in parts and args.bert_dense and args.bert_local:
     data["quality"] = read_quality(args.bert_dense, args.bert_local)
   text = markdown(data)
   if jax.process_index() == 0:
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "local_steps.json"), "w") as f:
+    with open(path, "w") as f:
       json.dump(data, f, indent=1)
     with open(os.path.join(args.out, "local_steps.md"), "w") as f:
       f.write(text + "\n")
