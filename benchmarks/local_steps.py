@@ -25,7 +25,11 @@ benchmarks.local_steps --parts bytes --out DIR/two_process``. Writes
    it) / (rounds the faulty run needs), per mask seed, reported as mean and
    minimum over seeds. The held-out loss ratio at the end is reported too.
 
-3. Quality at equal tokens (``--bert-dense``, ``--bert-local``): reads two
+3. Quality at equal steps and tokens on the digits MLP: dense data
+   parallelism against local steps with the float dense and the int8
+   shared-support outer exchange (held-out loss ratio).
+
+4. Quality at equal tokens (``--bert-dense``, ``--bert-local``): reads two
    ``metrics.json`` of the BERT example (same flags, batch and steps; one
    with ``--local-steps``) and reports their held-out losses.
 """
@@ -220,8 +224,46 @@ def measure_dropout(rounds: int = 60, local_steps: int = 10,
           "wall_time_s": time.time() - start}
 
 
+def measure_mlp_quality(rounds: int = 60, local_steps: int = 10,
+                        batch: int = 64) -> dict[str, Any]:
+  """Held-out loss at equal steps and tokens: dense DP against local steps
+  (float dense outer; int8 shared-support outer) on the digits MLP."""
+  (xt, yt), (xe, ye) = _digits()
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  held_out = jax.jit(_mlp_loss)
+  idx_rng = np.random.default_rng(1)
+  order = [idx_rng.integers(0, len(xt), size=(local_steps, batch))
+           for _ in range(rounds)]
+  local = lambda tree: jax.tree.map(lambda a: np.asarray(a.addressable_data(0)),
+                                    tree)
+  dp = training.data_parallel_step(_mlp_loss, optax.adam(3e-3), mesh)
+  state = dp.init(_mlp_init())
+  for r in range(rounds):
+    for h in range(local_steps):
+      state, _ = dp.step(state, (xt[order[r][h]], yt[order[r][h]]))
+  out = {"steps": rounds * local_steps, "batch": batch, "rows": [
+      {"run": "data_parallel_step dense", "held_out_loss": float(held_out(
+          local(state.params), (xe, ye)))}]}
+  for name, kwargs in (
+      ("local steps, dense float outer", {}),
+      ("local steps, int8 shared_support f=0.1 chunk=64",
+       {"exchange": "shared_support", "fraction": 0.1, "chunk_size": 64,
+        "quantize": "int8"})):
+    ls = training.local_steps_step(_mlp_loss, optax.adam(3e-3), mesh,
+                                   local_steps=local_steps, **kwargs)
+    lstate = ls.init(_mlp_init())
+    for r in range(rounds):
+      lstate, _ = ls.round(lstate, (xt[order[r]], yt[order[r]]))
+    out["rows"].append({"run": name, "held_out_loss": float(held_out(
+        local(lstate.params), (xe, ye)))})
+  dense = out["rows"][0]["held_out_loss"]
+  for r in out["rows"]:
+    r["ratio_to_dense_dp"] = r["held_out_loss"] / dense
+  return out
+
+
 # --------------------------------------------------------------------------
-# 3. Quality of the example runs.
+# 4. Quality of the example runs.
 
 
 def read_quality(dense_path: str, local_path: str) -> dict[str, Any]:
@@ -273,6 +315,15 @@ def markdown(data: dict[str, Any]) -> str:
                    f"{r['final_loss_mean']:.4f} | "
                    f"{100 * r['final_loss_ratio_mean']:.1f}% |")
     lines.append("")
+  mq = data.get("mlp_quality")
+  if mq:
+    lines += [f"Digits MLP at equal steps and tokens ({mq['steps']} steps of "
+              f"a global batch of {mq['batch']}, inner/DP Adam 3e-3):", "",
+              "| run | held-out loss | x dense DP |", "|---|---|---|"]
+    for r in mq["rows"]:
+      lines.append(f"| {r['run']} | {r['held_out_loss']:.4f} | "
+                   f"{r['ratio_to_dense_dp']:.4f} |")
+    lines.append("")
   q = data.get("quality")
   if q:
     lines += ["BERT example at equal tokens (same batch and steps):", "",
@@ -292,7 +343,7 @@ def main(argv=None) -> dict[str, Any]:
   parser.add_argument("--out", default="benchmarks/results")
   parser.add_argument("--quick", action="store_true",
                       help="Fewer rounds and seeds (a smoke test).")
-  parser.add_argument("--parts", default="bytes,dropout,quality",
+  parser.add_argument("--parts", default="bytes,dropout,mlp_quality,quality",
                       help="Comma-separated parts to measure; the others "
                       "are kept from an existing DIR/local_steps.json.")
   parser.add_argument("--bert-dense", default=None,
@@ -311,7 +362,7 @@ def main(argv=None) -> dict[str, Any]:
   parts = set(args.parts.split(","))
   path = os.path.join(args.out, "local_steps.json")
   data: dict[str, Any] = {}
-  if os.path.exists(path) and parts != {"bytes", "dropout", "quality"}:
+  if os.path.exists(path) and parts != {"bytes", "dropout", "mlp_quality", "quality"}:
     with open(path) as f:
       data = json.load(f)
   data.update(command=COMMAND, platform=platform.platform(),
@@ -321,6 +372,9 @@ def main(argv=None) -> dict[str, Any]:
   if "dropout" in parts:
     data["dropout"] = (measure_dropout(rounds=8, local_steps=2, seeds=2)
                        if args.quick else measure_dropout())
+  if "mlp_quality" in parts:
+    data["mlp_quality"] = (measure_mlp_quality(rounds=4, local_steps=2)
+                           if args.quick else measure_mlp_quality())
   if "quality" in parts and args.bert_dense and args.bert_local:
     data["quality"] = read_quality(args.bert_dense, args.bert_local)
   text = markdown(data)
