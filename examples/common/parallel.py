@@ -446,11 +446,14 @@ def save(workdir: Any, step: int, history: dict, state: Any,
   workdir.save_items(step, checkpoint_items(state, residual, outer), history)
 
 
-def restore(workdir: Any, replicas: Replicas, state: Any,
-            residual: list | None, outer: dict | None):
-  """``(step, history, (state, residual, outer))`` from the latest
-  checkpoint when resuming (onto the same mesh), else the inputs."""
-  del replicas  # The shardings come from the placed inputs.
+def place(workdir: Any, replicas: Replicas, model: nnx.Module, state: Any):
+  """The train state on the mesh with zero residuals (and the outer state
+  of local steps), or, when resuming, the latest checkpoint's onto the same
+  mesh: ``(step, history, (state, residual, outer))``."""
+  params = nnx.state(model, nnx.Param)
+  state = replicas.place_state(state)
+  residual = replicas.init_residual(params)
+  outer = replicas.init_outer(params)
   step, history, items = workdir.restore_items(
       checkpoint_items(state, residual, outer))
   if step:

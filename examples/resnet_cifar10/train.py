@@ -142,12 +142,8 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   graphdef, state = nnx.split((model, optimizer))
   residual = outer = None
   if replicas is not None:
-    params = nnx.state(model, nnx.Param)
-    state = replicas.place_state(state)
-    residual = replicas.init_residual(params)
-    outer = replicas.init_outer(params)
-    start_step, history, (state, residual, outer) = parallel.restore(
-        workdir, replicas, state, residual, outer)
+    start_step, history, (state, residual, outer) = parallel.place(
+        workdir, replicas, model, state)
   if start_step > args.steps:
     raise ValueError(f"the checkpoint in {args.workdir} is at step "
                      f"{start_step}, beyond --steps {args.steps}.")
