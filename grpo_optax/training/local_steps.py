@@ -16,12 +16,12 @@ and apply an *outer* optimizer to :math:`\\bar\\Delta` as if it were a
 gradient: :math:`(u, s) =` ``outer_tx.update(Delta_bar, s, theta)``,
 :math:`\\theta \\leftarrow \\theta + u`; the default is Nesterov SGD with
 learning rate 0.7 and momentum 0.9, as in DiLoCo. Every replica then starts
-the next round from the new :math:`\\theta`, so a replica that missed a round
-rejoins from the new outer parameters; its inner optimizer state is the one
-it had before the round it missed (its work of that round is lost, as when a
-worker dies mid-round). A round in
-which no replica reports leaves :math:`\\theta` and the outer state as they
-were.
+the next round from the new :math:`\\theta` (less what it did not get sent,
+below), so a replica that missed a round rejoins from the new outer
+parameters; its inner optimizer state is the one it had before the round it
+missed (its work of that round is lost, as when a worker dies mid-round). A
+round in which no replica reports leaves :math:`\\theta` and the outer state
+as they were.
 
 With ``outer_tx = sgd(1)`` (no momentum), ``H = 1``, every replica reporting
 and ``tx = sgd(lr)``, a round is exactly one step of synchronous data
@@ -35,14 +35,15 @@ replicas, levels ``floor(127 / W)`` so that the int8 all-reduce is exact).
 Error feedback lives in the parameters: what a compressed exchange did not
 send of :math:`\\Delta_i` (chunks not chosen, rounding error), :math:`e_i`,
 stays with the replica, which starts its next round at :math:`\\theta -
-e_i` (so its next :math:`\\Delta_i` contains it again). To
-average over the reporting replicas only, replica ``i`` sends
-:math:`c_i = m_i \\frac{W}{K} \\Delta_i` (plus :math:`m_i r_i`): the mean of
-the :math:`c_i` over all ``W`` replicas is :math:`\\bar\\Delta`.
+e_i` (so its next :math:`\\Delta_i` contains it again). To average over
+the reporting replicas only, replica ``i`` sends :math:`c_i = m_i
+\\frac{W}{K} \\Delta_i`: the mean of the :math:`c_i` over all ``W``
+replicas is :math:`\\bar\\Delta`.
 
 Traffic: one round sends the exchange's bytes once (``D`` the dense
 parameter bytes: ``2 (W-1)/W D`` for ``"dense"``, about ``f + 1/chunk`` of
-that for ``"shared_support"``), so per *training step* the local-step run
+that for ``"shared_support"``, about ``fraction / 4 + 2 / chunk`` with the
+int8 payload), so per *training step* the local-step run
 sends ``1/H`` of a round's bytes; :func:`grpo_optax.training.ring_traffic`
 reads them off the compiled round.
 
