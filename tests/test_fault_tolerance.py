@@ -2,7 +2,7 @@
 
 Two processes of two CPU devices each train the ResNet example with local
 steps (int8 shared-support outer exchange) and checkpoint to ``--workdir``;
-process 1 is killed with SIGKILL once the step-4 checkpoint exists;
+process 1 is killed with SIGKILL once the step-2 checkpoint exists;
 ``examples.launch_multiprocess --max-restarts 1`` restarts both from the last
 checkpoint, and the run ends with the metrics of an uninterrupted run.
 """
@@ -21,16 +21,16 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _RUN = ["-m", "examples.resnet_cifar10", "--data-parallel", "--local-steps",
         "2", "--exchange", "shared_support", "--exchange-fraction", "0.25",
-        "--outer-quantize", "int8", "--depth", "8", "--steps", "12",
-        "--batch-size", "32", "--max-train-examples", "256",
-        "--max-eval-examples", "128", "--eval-every", "0",
-        "--checkpoint-every", "4", "--fast-compile", "--resume", "--quiet"]
+        "--outer-quantize", "int8", "--depth", "8", "--steps", "8",
+        "--batch-size", "16", "--max-train-examples", "128",
+        "--max-eval-examples", "64", "--eval-every", "0",
+        "--checkpoint-every", "2", "--fast-compile", "--resume", "--quiet"]
 
 
 def _launcher(workdir, max_restarts=0):
   return [sys.executable, "-m", "examples.launch_multiprocess",
           "--num-processes", "2", "--devices-per-process", "2",
-          "--timeout", "600", "--max-restarts", str(max_restarts), "--",
+          "--timeout", "1200", "--max-restarts", str(max_restarts), "--",
           sys.executable, *_RUN, "--workdir", str(workdir)]
 
 
@@ -47,7 +47,7 @@ def _metrics(workdir):
 def test_killed_process_is_restarted_and_ends_as_uninterrupted(tmp_path):
   ref = tmp_path / "uninterrupted"
   done = subprocess.run(_launcher(ref), cwd=_ROOT, env=_env(),
-                        capture_output=True, text=True, timeout=650)
+                        capture_output=True, text=True, timeout=1300)
   assert done.returncode == 0, done.stdout[-3000:]
 
   killed = tmp_path / "killed"
@@ -59,26 +59,26 @@ def test_killed_process_is_restarted_and_ends_as_uninterrupted(tmp_path):
       proc.stdout.readline, "")), daemon=True)
   reader.start()
   victim = None
-  deadline = time.monotonic() + 600
+  deadline = time.monotonic() + 1200
   while proc.poll() is None and victim is None:
     assert time.monotonic() < deadline
     pids = [line.split()[-1] for line in list(lines)
             if line.startswith("[launcher] process 1: pid")]
-    if pids and os.path.isdir(killed / "checkpoints" / "4"):
+    if pids and os.path.isdir(killed / "checkpoints" / "2"):
       victim = int(pids[0])
       os.kill(victim, signal.SIGKILL)
     time.sleep(0.05)
-  assert proc.wait(timeout=650) == 0, "".join(lines)[-3000:]
+  assert proc.wait(timeout=1300) == 0, "".join(lines)[-3000:]
   reader.join(timeout=10)
   out = "".join(lines)
   assert victim is not None, "the run ended before process 1 was killed"
   assert "[launcher] a process died (exit -9): restart 1 of 1" in out, out
   got, want = _metrics(killed), _metrics(ref)
-  assert got["resumed_from_step"] in (4, 8)
+  assert got["resumed_from_step"] in (2, 4, 6)
   assert want["resumed_from_step"] == 0
   assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5)
   assert got["eval_accuracy"] == want["eval_accuracy"]
-  assert [s for s, _ in got["train_loss_history"]] == list(range(1, 13))
+  assert [s for s, _ in got["train_loss_history"]] == list(range(1, 9))
   for (_, a), (_, b) in zip(got["train_loss_history"],
                             want["train_loss_history"]):
     assert a == pytest.approx(b, rel=1e-5)
