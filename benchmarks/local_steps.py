@@ -173,8 +173,8 @@ def _rounds_to(curve: np.ndarray, target: float) -> float:
   return float(i + (a - target) / (a - b))   # curve[j] is after round j+1.
 
 
-def measure_dropout(rounds: int = 60, local_steps: int = 10,
-                    seeds: int = 5, batch: int = 64) -> dict[str, Any]:
+def measure_dropout(rounds: int = 40, local_steps: int = 10,
+                    seeds: int = 3, batch: int = 64) -> dict[str, Any]:
   """Held-out curves with each replica missing a round with prob. p."""
   (xt, yt), (xe, ye) = _digits()
   mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -224,7 +224,7 @@ def measure_dropout(rounds: int = 60, local_steps: int = 10,
           "wall_time_s": time.time() - start}
 
 
-def measure_mlp_quality(rounds: int = 60, local_steps: int = 10,
+def measure_mlp_quality(rounds: int = 40, local_steps: int = 10,
                         batch: int = 64) -> dict[str, Any]:
   """Held-out loss at equal steps and tokens: dense DP against local steps
   (float dense outer; int8 shared-support outer) on the digits MLP."""
@@ -285,8 +285,9 @@ def read_quality(dense_path: str, local_path: str) -> dict[str, Any]:
 
 def markdown(data: dict[str, Any]) -> str:
   lines = [f"# Local steps (`{COMMAND}`)", ""]
-  b = data.get("bytes")
-  if b:
+  for b in (data.get("bytes"), data.get("bytes_two_process")):
+    if not b:
+      continue
     lines += [f"Bytes per training step, compiled HLO, ring model; BERT "
               f"example parameters ({b['num_params']:,}), W = "
               f"{b['replicas']} devices in {b['processes']} process(es).", "",
@@ -350,6 +351,10 @@ def main(argv=None) -> dict[str, Any]:
                       help="metrics.json of the dense data-parallel run.")
   parser.add_argument("--bert-local", default=None,
                       help="metrics.json of the --local-steps run.")
+  parser.add_argument("--include", action="append", default=[],
+                      metavar="KEY=PATH",
+                      help="Store the 'bytes' part of another "
+                      "local_steps.json (e.g. a 2-process run's) as KEY.")
   parser.add_argument("--coordinator-address", default=None)
   parser.add_argument("--num-processes", type=int, default=1)
   parser.add_argument("--process-id", type=int, default=0)
@@ -375,6 +380,10 @@ def main(argv=None) -> dict[str, Any]:
   if "mlp_quality" in parts:
     data["mlp_quality"] = (measure_mlp_quality(rounds=4, local_steps=2)
                            if args.quick else measure_mlp_quality())
+  for item in args.include:
+    key, other = item.split("=", 1)
+    with open(other) as f:
+      data[key] = json.load(f)["bytes"]
   if "quality" in parts and args.bert_dense and args.bert_local:
     data["quality"] = read_quality(args.bert_dense, args.bert_local)
   text = markdown(data)
