@@ -215,7 +215,7 @@ def fault_claim(table, local: Optional[dict]) -> None:
       "with p = 0.15 (its work lost, it rejoins from the new outer params); "
       "efficiency = no-fault rounds / faulty rounds to the held-out loss the "
       "no-fault run reaches at 75% of its rounds",
-      LOCAL, HOLDS if r["efficiency_mean"] >= 0.92 else FAILS)
+      local.get("command", LOCAL), HOLDS if r["efficiency_mean"] >= 0.92 else FAILS)
 
 
 def build(results: str) -> tuple[Table, dict[str, Any]]:

@@ -296,7 +296,7 @@ def read_quality(dense_path: str, local_path: str) -> dict[str, Any]:
 
 
 def markdown(data: dict[str, Any]) -> str:
-  lines = [f"# Local steps (`{COMMAND}`)", ""]
+  lines = [f"# Local steps (`{data.get('command', COMMAND)}`)", ""]
   for b in (data.get("bytes"), data.get("bytes_two_process")):
     if not b:
       continue
@@ -386,7 +386,8 @@ def main(argv=None) -> dict[str, Any]:
   if os.path.exists(path) and parts != {"bytes", "dropout", "mlp_quality", "quality"}:
     with open(path) as f:
       data = json.load(f)
-  data.update(command=COMMAND, platform=platform.platform(),
+  data.update(command=COMMAND + (" --quick" if args.quick else ""),
+              platform=platform.platform(),
               devices=jax.device_count())
   if "bytes" in parts:
     data["bytes"] = measure_bytes(4 if args.quick else LOCAL_STEPS,
