@@ -76,6 +76,11 @@ from grpo_optax.training import distributed
 
 AxisName = Any
 
+# The argument checks of the exchanges (same messages as sparse_pmean's).
+_check_exchange = distributed._check_exchange  # pylint: disable=protected-access
+_check_fraction = distributed._check_fraction  # pylint: disable=protected-access
+_check_chunk_size = distributed._check_chunk_size  # pylint: disable=protected-access
+
 
 def default_outer_optimizer(learning_rate: float = 0.7,
                             momentum: float = 0.9
@@ -236,9 +241,8 @@ def exchange_mean(tree: Any, residual: Any, axis_name: AxisName, *,
     leaves = [x + r.astype(x.dtype)
               for x, r in zip(leaves, treedef.flatten_up_to(residual))]
   means, residuals = _int8_pmean(
-      leaves, axis_name, num_replicas, distributed._check_fraction(fraction),  # pylint: disable=protected-access
-      distributed._check_chunk_size(chunk_size),  # pylint: disable=protected-access
-      select=exchange == "shared_support")
+      leaves, axis_name, num_replicas, _check_fraction(fraction),
+      _check_chunk_size(chunk_size), select=exchange == "shared_support")
   return (treedef.unflatten(means),
           None if residual is None else treedef.unflatten(residuals))
 
@@ -384,9 +388,9 @@ class LocalSteps:
     if not isinstance(error_feedback, bool):
       raise TypeError(f"`error_feedback` must be a bool, got "
                       f"{error_feedback!r}.")
-    self.exchange = distributed._check_exchange(exchange)  # pylint: disable=protected-access
-    self.fraction = distributed._check_fraction(fraction)  # pylint: disable=protected-access
-    self.chunk_size = distributed._check_chunk_size(chunk_size)  # pylint: disable=protected-access
+    self.exchange = _check_exchange(exchange)
+    self.fraction = _check_fraction(fraction)
+    self.chunk_size = _check_chunk_size(chunk_size)
     self.local_steps = _check_local_steps(local_steps)
     self.quantize = _check_quantize(quantize, self.exchange)
     self.loss_fn, self.tx, self.outer_tx, self.mesh = (loss_fn, tx, outer_tx,
