@@ -179,3 +179,25 @@ def test_greedy_keeps_only_changes_that_help_in_combination():
   # Round 2 looked around the new winner and found nothing better.
   assert len(result["search"]) == 2
   assert result["end"] == "cfg:max_norm=None+nesterov=False+sparsify=None"
+
+
+def test_claims_fault_row_reads_local_steps_json(tmp_path):
+  # The fault row (15) is generated from local_steps.json.
+  def row_text():
+    text = claims.main(["--results", str(tmp_path)])
+    return [line for line in text.splitlines() if "nodes failing" in line][0]
+
+  assert "pending" in row_text()
+  rows = [{"dropout": p, "efficiency_mean": e, "efficiency_min": e - 0.02,
+           "measured_missing": p, "seeds": 5}
+          for p, e in ((0.0, 1.0), (0.15, 0.95), (0.3, 0.88))]
+  data = {"dropout": {"replicas": 8, "local_steps": 10, "rounds": 60,
+                      "rows": rows}}
+  (tmp_path / "local_steps.json").write_text(json.dumps(data))
+  row = row_text()
+  assert "| 95.0% (min 93.0% over 5 mask seeds; 15.0% of replica-rounds " \
+         "missing); 30% missing: 88.0% |" in row
+  assert row.rstrip().endswith("| holds |")
+  rows[1]["efficiency_mean"] = 0.91
+  (tmp_path / "local_steps.json").write_text(json.dumps(data))
+  assert row_text().rstrip().endswith("| does not hold |")

@@ -123,12 +123,30 @@ def test_resnet_data_parallel_sparse_exchange_and_exact_resume(tmp_path):
       tmp_path, resnet_main, resnet_train, _TINY_RESNET + [
           "--data-parallel", "--exchange", "all_gather",
           "--exchange-fraction", "0.1"], "adam", "eval_accuracy")
-  extra = os.path.join(tmp_path, "full", "checkpoints", "2", "extra")
-  assert os.path.isdir(extra)
+  residual = os.path.join(tmp_path, "full", "checkpoints", "2", "residual")
+  assert os.path.isdir(residual)
   with open(os.path.join(tmp_path, "full", "metrics.json")) as f:
     assert json.load(f)["data_parallel"] == {
         "replicas": 8, "processes": 1, "exchange": "all_gather",
         "fraction": 0.1}
+
+
+@pytest.mark.slow
+def test_resnet_local_steps_int8_outer_and_exact_resume(tmp_path):
+  # One local step per round (checkpoints fall on outer steps): every
+  # replica's state, its unsent part and the outer Nesterov state are
+  # checkpointed, so the resumed run is exact.
+  _two_steps_then_resume(
+      tmp_path, resnet_main, resnet_train, _TINY_RESNET + [
+          "--data-parallel", "--local-steps", "1", "--exchange",
+          "shared_support", "--exchange-fraction", "0.5",
+          "--exchange-chunk-size", "16", "--outer-quantize", "int8"],
+      "adam", "eval_accuracy")
+  ckpt = os.path.join(tmp_path, "full", "checkpoints", "2")
+  assert {"state", "residual", "outer"} <= set(os.listdir(ckpt))
+  with open(os.path.join(tmp_path, "full", "metrics.json")) as f:
+    info = json.load(f)["data_parallel"]
+  assert info["local_steps"] == 1 and info["outer_quantize"] == "int8"
 
 
 def test_bert_adam_two_steps_and_exact_resume(tmp_path):
@@ -214,6 +232,22 @@ def test_grpo_flags_follow_the_signature():
     (["--data-parallel", "--num-processes", "2"], "--coordinator-address"),
     (["--data-parallel", "--num-processes", "2", "--process-id", "2",
       "--coordinator-address", "127.0.0.1:1"], "--process-id"),
+    (["--local-steps", "4"], "--local-steps needs --data-parallel"),
+    (["--data-parallel", "--local-steps", "-1"], "--local-steps must be"),
+    (["--data-parallel", "--local-steps", "4", "--eval-every", "6"],
+     "--eval-every must be a multiple of --local-steps 4"),
+    (["--data-parallel", "--local-steps", "5", "--eval-every", "10",
+      "--checkpoint-every", "3"], "--checkpoint-every must be a multiple"),
+    (["--data-parallel", "--local-steps", "2", "--eval-every", "50",
+      "--outer-momentum", "1"], "--outer-momentum must be in [0, 1)"),
+    (["--data-parallel", "--local-steps", "2", "--eval-every", "50",
+      "--outer-lr", "0"], "--outer-lr must be > 0"),
+    (["--data-parallel", "--outer-quantize", "int8"],
+     "--outer-quantize needs --local-steps"),
+    (["--data-parallel", "--local-steps", "2", "--eval-every", "50",
+      "--exchange", "all_gather", "--outer-quantize", "int8"],
+     "needs --exchange dense or shared_support"),
+    (["--distributed", "auto"], "need --data-parallel"),
 ])
 def test_bad_resnet_flags(capsys, argv, message):
   with pytest.raises(SystemExit) as exit_info:

@@ -197,21 +197,20 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   model, optimizer = optim.create_model_and_optimizer(
       lambda rngs: models.BertMLM(config, rngs=rngs),
       optim.make_optimizer(args, DEFAULT_LRS), init_key)
-  start_step, history = workdir.restore(model, optimizer)
-  if start_step > args.steps:
-    raise ValueError(f"the checkpoint in {args.workdir} is at step "
-                     f"{start_step}, beyond --steps {args.steps}.")
+  replicas = parallel.make_replicas(args)
+  start_step, history = (0, workdir_lib.new_history()) if replicas else (
+      workdir.restore(model, optimizer))
 
   num_predictions = input_pipeline.num_predictions(args.seq_len,
                                                    args.mask_rate)
-  replicas = parallel.make_replicas(args)
   graphdef, state = nnx.split((model, optimizer))
-  residual = None
+  residual = outer = None
   if replicas is not None:
-    params = nnx.state(model, nnx.Param)
-    state = replicas.replicate(state)
-    residual = replicas.init_residual(params, workdir.restore_extra(
-        start_step, replicas.residual_like(params)))
+    start_step, history, (state, residual, outer) = parallel.place(
+        workdir, replicas, model, state)
+  if start_step > args.steps:
+    raise ValueError(f"the checkpoint in {args.workdir} is at step "
+                     f"{start_step}, beyond --steps {args.steps}.")
   train_step = make_train_step(
       graphdef, num_predictions=num_predictions, vocab_size=data.vocab_size,
       pass_head_entropy=uses_head_entropy(args),
@@ -219,6 +218,8 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   eval_step = make_eval_step(graphdef, num_predictions=num_predictions,
                              vocab_size=data.vocab_size,
                              compiler_options=flags.compiler_options(args))
+  if replicas is not None and replicas.local_steps:
+    replicas.build_outer_sync(graphdef, flags.compiler_options(args))
   num_train = len(data.train)
 
   bar = tqdm.tqdm(range(start_step, args.steps), initial=start_step,
@@ -231,8 +232,10 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if replicas is not None:
       tokens, key = replicas.shard(tokens), replicas.replicate(key)
     state, residual, metrics = train_step(state, residual, tokens, key)
-    metrics = jax.device_get(metrics)
     done = step + 1
+    if replicas is not None and replicas.is_outer_step(done, args.steps):
+      state, residual, outer = replicas.outer_sync(state, residual, outer)
+    metrics = jax.device_get(metrics)
     history["train_loss"].append([done, float(metrics["loss"])])
     now = time.time()
     bar.set_postfix(loss=f"{metrics['loss']:.4f}",
@@ -245,8 +248,8 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     evaluated = last or (args.eval_every and done % args.eval_every == 0)
     if evaluated:
       eval_loss, eval_acc = evaluate(
-          eval_step, parallel.single_device(state, replicas), data.eval,
-          args.eval_batch_size)
+          eval_step, parallel.single_device(state, replicas, outer),
+          data.eval, args.eval_batch_size)
       history["eval"].append([done, eval_loss, eval_acc])
       workdir.writer.write_scalars(done, {"eval/mlm_loss": eval_loss,
                                           "eval/masked_accuracy": eval_acc})
@@ -255,13 +258,16 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
                   f"(unigram entropy {data.unigram_entropy:.4f}), masked "
                   f"accuracy {eval_acc:.4f}")
     if workdir.should_checkpoint(done, evaluated=evaluated, last=last):
-      nnx.update((model, optimizer), parallel.single_device(state, replicas))
+      nnx.update((model, optimizer),
+                 parallel.single_device(state, replicas, outer))
       workdir.log_optimizer(done, optimizer)
-      workdir.save(done, model, optimizer, history,
-                   extra=replicas and replicas.host(residual))
+      if replicas is None:
+        workdir.save(done, model, optimizer, history)
+      else:
+        parallel.save(workdir, done, history, state, residual, outer)
   bar.close()
 
-  state = parallel.single_device(state, replicas)
+  state = parallel.single_device(state, replicas, outer)
   nnx.update((model, optimizer), state)
   if not history["eval"] or history["eval"][-1][0] != args.steps:
     # Resumed from a finished run: evaluate the restored model once.

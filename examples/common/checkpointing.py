@@ -2,8 +2,10 @@
 
 The training history (loss curves, evaluations) is saved in the same
 checkpoint step as JSON, so that a resumed run reports the same curves as an
-uninterrupted one. Data-parallel runs with a sparse exchange add their
-per-replica error-feedback residuals (item ``extra``, a list of arrays). Typed PRNG keys (e.g. the sampling key inside the GRPO
+uninterrupted one. Data-parallel runs save their state as it lies on the
+mesh (:meth:`Checkpointer.save_items`: every process writes its part) with
+the per-replica error-feedback residuals and, with local steps, the outer
+parameters and optimizer state. Typed PRNG keys (e.g. the sampling key inside the GRPO
 sparsifier's state) are stored as their raw key data and re-wrapped on
 restore.
 """
@@ -67,16 +69,31 @@ class Checkpointer:
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
     self._manager.wait_until_finished()
 
-  def restore_extra(self, step: int, like: list[Any]) -> list[Any] | None:
-    """The ``extra`` arrays of checkpoint ``step`` shaped like ``like`` (NumPy
-    arrays or ShapeDtypeStructs), or None if that checkpoint has none."""
-    path = os.path.join(str(self._manager.directory), str(step), "extra")
-    if not os.path.isdir(path):
-      return None
-    target = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in like]
+  def save_items(self, step: int, items: dict[str, Any],
+                 history: dict[str, Any]) -> None:
+    """Writes checkpoint ``step`` of named trees of (global) arrays.
+
+    Data-parallel runs save the state as it lies on the mesh: in a
+    multi-process run every process writes the shards of its own devices
+    (one copy of a replicated array) and process 0 the metadata.
+    """
+    args = {name: ocp.args.StandardSave(_to_savable(tree))
+            for name, tree in items.items()}
+    self._manager.save(step, args=ocp.args.Composite(
+        history=ocp.args.JsonSave(history), **args), force=True)
+    self._manager.wait_until_finished()
+
+  def restore_items(self, step: int, like: dict[str, Any]
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The trees of checkpoint ``step``, placed as the arrays of ``like``
+    (same shapes, dtypes and shardings), and the history."""
+    targets = {name: ocp.args.StandardRestore(jax.tree.map(
+        ocp.utils.to_shape_dtype_struct, _to_savable(tree)))
+               for name, tree in like.items()}
     restored = self._manager.restore(step, args=ocp.args.Composite(
-        extra=ocp.args.StandardRestore(target)))
-    return [jax.device_get(x) for x in restored["extra"]]
+        history=ocp.args.JsonRestore(), **targets))
+    return ({name: _from_savable(restored[name], like[name])
+             for name in like}, restored["history"])
 
   def restore(self, model: nnx.Module, optimizer: nnx.Optimizer,
               step: int | None = None) -> tuple[int, dict[str, Any]]:

@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any, Mapping
 
+import jax
 from flax import nnx
 
 from examples.common import checkpointing
@@ -23,7 +24,9 @@ CONFIG_FILE = "config.json"
 # so resuming with another value would give a run that matches neither.
 RESUMABLE_FLAGS = frozenset({
     "workdir", "resume", "eval_every", "checkpoint_every", "quiet",
-    "max_eval_examples", "eval_batch_size", "data_dir", "download"})
+    "max_eval_examples", "eval_batch_size", "data_dir", "download",
+    # Where a process finds the others (a restarted job gets new ones).
+    "coordinator_address", "process_id", "distributed"})
 
 
 def _flag(name: str) -> str:
@@ -87,7 +90,9 @@ class Workdir:
             "--resume to continue that run, or choose another --workdir.")
       if config is not None:
         self._check_or_write_config(dict(config), resuming=latest is not None)
-    self.writer = metrics_lib.MetricsWriter(path)
+    # Several processes: process 0 writes the metrics, events and plots.
+    self._primary = jax.process_index() == 0
+    self.writer = metrics_lib.MetricsWriter(path if self._primary else None)
 
   def _check_or_write_config(self, config: dict[str, Any], *,
                              resuming: bool) -> None:
@@ -95,6 +100,8 @@ class Workdir:
     if resuming and os.path.exists(config_path):
       with open(config_path) as f:
         check_resume_config(json.load(f), config, self.path)
+      return
+    if jax.process_index() != 0:
       return
     with open(config_path, "w") as f:
       json.dump(config, f, indent=1, sort_keys=True)
@@ -119,20 +126,34 @@ class Workdir:
     return last or evaluated
 
   def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer,
-           history: dict[str, list], extra: list | None = None) -> None:
+           history: dict[str, list]) -> None:
     if self._checkpointer is not None:
-      self._checkpointer.save(step, model, optimizer, history, extra=extra)
+      self._checkpointer.save(step, model, optimizer, history)
 
-  def restore_extra(self, step: int, like: list) -> list | None:
-    """The residuals saved with checkpoint ``step`` (None: none, or a fresh
-    run)."""
-    if not step or self._checkpointer is None:
-      return None
-    return self._checkpointer.restore_extra(step, like)
+  def save_items(self, step: int, items: dict[str, Any],
+                 history: dict[str, list]) -> None:
+    """Checkpoint of a data-parallel run (every process calls it)."""
+    if self._checkpointer is not None:
+      self._checkpointer.save_items(step, items, history)
+
+  def restore_items(self, like: dict[str, Any]
+                    ) -> tuple[int, dict[str, list], dict[str, Any]]:
+    """``(step, history, items)`` of the latest checkpoint when resuming
+    (items placed like ``like``), else ``(0, new history, like)``."""
+    if not self._resume or self._checkpointer is None:
+      return 0, new_history(), like
+    step = self._checkpointer.latest_step()
+    if step is None:
+      if jax.process_index() == 0:
+        print(f"--resume: no checkpoint in {self.path}, starting from step "
+              "0.")
+      return 0, new_history(), like
+    items, history = self._checkpointer.restore_items(step, like)
+    return step, history, items
 
   def log_optimizer(self, step: int, optimizer: nnx.Optimizer) -> None:
     """TensorBoard scalars/histograms of ``grpo_optax.metrics`` (if any)."""
-    if self.path:
+    if self.path and self._primary:
       self.writer.write_arrays(step, metrics_lib.optimizer_diagnostics(
           optimizer), prefix="optimizer/")
 
@@ -150,7 +171,7 @@ class Workdir:
     self.writer.close()
     if self._checkpointer is not None:
       self._checkpointer.close()
-    if not self.path:
+    if not self.path or not self._primary:
       return
     metrics_lib.write_json(os.path.join(self.path, METRICS_FILE), summary)
     if panels is not None:

@@ -72,7 +72,8 @@ def make_train_step(graphdef: nnx.GraphDef, *, augment: bool,
       model_graph, model_state = nnx.split(model)
       local = nnx.merge(model_graph, replicas.varying(model_state))
       (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(local)
-      nnx.update(model, replicas.mean(nnx.state(local, nnx.BatchStat)))
+      nnx.update(model, replicas.sync_stats(nnx.state(local,
+                                                      nnx.BatchStat)))
       grads, residual = replicas.exchange_grads(grads, residual)
     accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
     if replicas is not None:
@@ -134,23 +135,24 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
       lambda rngs: models.ResNet(args.depth, dataset.num_classes,
                                  dataset.image_shape[-1], rngs=rngs),
       optim.make_optimizer(args, DEFAULT_LRS), init_key)
-  start_step, history = workdir.restore(model, optimizer)
+  replicas = parallel.make_replicas(args)
+  start_step, history = (0, workdir_lib.new_history()) if replicas else (
+      workdir.restore(model, optimizer))
+
+  graphdef, state = nnx.split((model, optimizer))
+  residual = outer = None
+  if replicas is not None:
+    start_step, history, (state, residual, outer) = parallel.place(
+        workdir, replicas, model, state)
   if start_step > args.steps:
     raise ValueError(f"the checkpoint in {args.workdir} is at step "
                      f"{start_step}, beyond --steps {args.steps}.")
-
-  replicas = parallel.make_replicas(args)
-  graphdef, state = nnx.split((model, optimizer))
-  residual = None
-  if replicas is not None:
-    params = nnx.state(model, nnx.Param)
-    state = replicas.replicate(state)
-    residual = replicas.init_residual(params, workdir.restore_extra(
-        start_step, replicas.residual_like(params)))
   options = flags.compiler_options(args)
   train_step = make_train_step(graphdef, augment=augment,
                                compiler_options=options, replicas=replicas)
   eval_step = make_eval_step(graphdef, compiler_options=options)
+  if replicas is not None and replicas.local_steps:
+    replicas.build_outer_sync(graphdef, options)
   num_train = len(dataset.train_labels)
 
   bar = tqdm.tqdm(range(start_step, args.steps), initial=start_step,
@@ -166,8 +168,10 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
       key = replicas.replicate(key)
     state, residual, metrics = train_step(state, residual, images, labels,
                                           key)
-    metrics = jax.device_get(metrics)
     done = step + 1
+    if replicas is not None and replicas.is_outer_step(done, args.steps):
+      state, residual, outer = replicas.outer_sync(state, residual, outer)
+    metrics = jax.device_get(metrics)
     history["train_loss"].append([done, float(metrics["loss"])])
     now = time.time()
     bar.set_postfix(loss=f"{metrics['loss']:.4f}",
@@ -180,8 +184,8 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     evaluated = last or (args.eval_every and done % args.eval_every == 0)
     if evaluated:
       eval_loss, eval_acc = evaluate(
-          eval_step, parallel.single_device(state, replicas), dataset,
-          args.eval_batch_size)
+          eval_step, parallel.single_device(state, replicas, outer),
+          dataset, args.eval_batch_size)
       history["eval"].append([done, eval_loss, eval_acc])
       workdir.writer.write_scalars(done, {"eval/loss": eval_loss,
                                           "eval/accuracy": eval_acc})
@@ -189,13 +193,16 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
         bar.write(f"step {done}: held-out loss {eval_loss:.4f}, "
                   f"accuracy {eval_acc:.4f}")
     if workdir.should_checkpoint(done, evaluated=evaluated, last=last):
-      nnx.update((model, optimizer), parallel.single_device(state, replicas))
+      nnx.update((model, optimizer),
+                 parallel.single_device(state, replicas, outer))
       workdir.log_optimizer(done, optimizer)
-      workdir.save(done, model, optimizer, history,
-                   extra=replicas and replicas.host(residual))
+      if replicas is None:
+        workdir.save(done, model, optimizer, history)
+      else:
+        parallel.save(workdir, done, history, state, residual, outer)
   bar.close()
 
-  state = parallel.single_device(state, replicas)
+  state = parallel.single_device(state, replicas, outer)
   nnx.update((model, optimizer), state)
   if not history["eval"] or history["eval"][-1][0] != args.steps:
     # Resumed from a finished run: evaluate the restored model once.

@@ -12,6 +12,9 @@ and memory are spent. The steps here change the program itself:
 * :func:`data_parallel_step`: data-parallel training over a mesh with a dense
   or sparse gradient exchange (:func:`sparse_pmean`), one device or many
   processes; :func:`collective_bytes` reads the traffic off the program.
+* :func:`local_steps_step`: local-step (DiLoCo) data parallelism, ``H`` inner
+  steps per replica and one outer exchange of the pseudo-gradient
+  (:func:`outer_step`), with a per-round participation mask.
 
 All take plain pytrees and a ``loss_fn(params, batch)``; :func:`split_model`
 turns a Flax NNX model into that form (Flax is imported only there).
@@ -40,6 +43,14 @@ from grpo_optax.training.immediate import LayerwiseStep
 from grpo_optax.training.immediate import stacked_loss_fn
 from grpo_optax.training.immediate import StackedParams
 from grpo_optax.training.immediate import train_step
+from grpo_optax.training.local_steps import default_outer_optimizer
+from grpo_optax.training.local_steps import exchange_mean
+from grpo_optax.training.local_steps import int8_levels
+from grpo_optax.training.local_steps import local_steps_step
+from grpo_optax.training.local_steps import LocalSteps
+from grpo_optax.training.local_steps import LocalStepsState
+from grpo_optax.training.local_steps import outer_step
+from grpo_optax.training.local_steps import round_traffic_per_step
 
 __all__ = (
     "DEFAULT_NONCORE_PATTERN",
@@ -51,16 +62,24 @@ __all__ = (
     "HierarchicalStep",
     "LayerwiseState",
     "LayerwiseStep",
+    "LocalSteps",
+    "LocalStepsState",
     "PureModel",
     "StackedParams",
     "collective_bytes",
     "collective_ops",
     "data_parallel_step",
     "default_is_core",
+    "default_outer_optimizer",
+    "exchange_mean",
     "frozen_train_step",
     "hierarchical_step",
+    "int8_levels",
     "layerwise_train_step",
+    "local_steps_step",
+    "outer_step",
     "ring_traffic",
+    "round_traffic_per_step",
     "sparse_pmean",
     "split_model",
     "stacked_loss_fn",
