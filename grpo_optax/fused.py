@@ -93,6 +93,7 @@ class _Adam(NamedTuple):
 def _init_mask(params, cfg: _Mask):
   acc = optax.tree.zeros_like(params) if cfg.error_feedback else None
   zeros = _common.leaf_scalars(params)
+  tau = _common.leaf_scalars(params)  # its own buffer (state is donated)
   one = None if cfg.error_feedback else jnp.ones([], jnp.float32)
   if cfg.kind == "topk":
     return sparsify.TopKMaskState(
@@ -100,7 +101,7 @@ def _init_mask(params, cfg: _Mask):
         frequency=None, kept_fraction=one)
   return sparsify.EmaThresholdMaskState(
       count=jnp.zeros([], jnp.int32), accumulator=acc, thresholds=zeros,
-      tau=zeros, kept_fraction=one)
+      tau=tau, kept_fraction=one)
 
 
 def _clip_phase(g_leaves, p_leaves, cfg: Optional[_Clip], state):
