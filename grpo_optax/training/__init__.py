@@ -24,6 +24,8 @@ from grpo_optax.training.distributed import data_parallel_step
 from grpo_optax.training.distributed import DataParallelState
 from grpo_optax.training.distributed import DataParallelStep
 from grpo_optax.training.distributed import EXCHANGES
+from grpo_optax.training.exchange import ExchangeState
+from grpo_optax.training.exchange import init_exchange
 from grpo_optax.training.distributed import ring_traffic
 from grpo_optax.training.distributed import sparse_pmean
 from grpo_optax.training._nnx import split_model
@@ -46,6 +48,7 @@ __all__ = (
     "DataParallelState",
     "DataParallelStep",
     "EXCHANGES",
+    "ExchangeState",
     "FrozenStep",
     "HierarchicalState",
     "HierarchicalStep",
@@ -59,6 +62,7 @@ __all__ = (
     "default_is_core",
     "frozen_train_step",
     "hierarchical_step",
+    "init_exchange",
     "layerwise_train_step",
     "ring_traffic",
     "sparse_pmean",
