@@ -92,6 +92,9 @@ GRID = (
     ("shared_support replicated bf16 f=0.0035", dict(
         exchange="shared_support", fraction=0.0035, support="replicated",
         values="bfloat16")),
+    ("shared_support replicated bf16 c=1 f=0.0038", dict(
+        exchange="shared_support", fraction=0.0038, support="replicated",
+        values="bfloat16", chunk_size=1)),
     ("powersgd r=1", dict(exchange="powersgd", rank=1)),
     ("powersgd r=4", dict(exchange="powersgd", rank=4)),
     ("powersgd r=1 bf16", dict(exchange="powersgd", rank=1,
@@ -101,10 +104,12 @@ GRID = (
 SUBSET = ("dense", "all_gather fp32/int32 f=0.001",
           "all_gather bf16/compact f=0.0005",
           "shared_support norms fp32 f=0.01",
-          "shared_support replicated bf16 f=0.0035", "powersgd r=1")
+          "shared_support replicated bf16 f=0.0035",
+          "shared_support replicated bf16 c=1 f=0.0038", "powersgd r=1")
 #: The exchanges whose step compute time is measured.
 TIMED = ("dense", "all_gather bf16/compact f=0.0005",
-         "shared_support replicated bf16 f=0.0035", "powersgd r=1")
+         "shared_support replicated bf16 f=0.0035",
+         "shared_support replicated bf16 c=1 f=0.0038", "powersgd r=1")
 #: Link bandwidths of the crossover table, Gbit/s.
 LINKS = (10, 25, 100)
 CHUNK = 64
@@ -186,10 +191,15 @@ def payload_bytes(shapes: list[tuple[int, ...]], kw: dict[str, Any],
     per = sum(compression._Layout(n, f, values, kw.get("indices", "int32"))  # pylint: disable=protected-access
               .nbytes for n in sizes if n)
     return [("all-gather", across * per)]
-  vbytes = compression._VALUE_BYTES[values]  # pylint: disable=protected-access
+  def mean(count):   # compression.replica_mean of `count` values.
+    if values == "float32":
+      return [("all-reduce", 4 * count)]
+    padded = 2 * (count + -count % across)
+    return [("all-to-all", padded), ("all-gather", padded)]
   if ex == "shared_support":
-    rows = sum(compression.chunk_rows(sizes, CHUNK))
-    out = [("all-reduce", vbytes * CHUNK * compression.num_kept(rows, f))]
+    chunk = kw.get("chunk_size", CHUNK)
+    rows = sum(compression.chunk_rows(sizes, chunk))
+    out = mean(chunk * compression.num_kept(rows, f))
     if kw.get("support", "norms") == "norms":
       out.append(("all-reduce", 4 * rows))
     return out
@@ -200,7 +210,7 @@ def payload_bytes(shapes: list[tuple[int, ...]], kw: dict[str, Any],
       p += math.prod(s)
     else:
       p, q = p + dims[0] * dims[2], q + dims[1] * dims[2]
-  return [("all-reduce", vbytes * p), ("all-reduce", vbytes * q)]
+  return mean(p) + mean(q)
 
 
 def modelled_traffic(shapes, kw, groups: tuple[int, ...]) -> float:
@@ -232,12 +242,15 @@ def _meshes():
 
 def _compile(loss_fn, params, batch, mesh, axes, kw, backend_opt=False):
   dp = training.data_parallel_step(loss_fn, optax.sgd(0.1), mesh,
-                                   chunk_size=CHUNK, **axes, **kw)
+                                   **axes, **{"chunk_size": CHUNK, **kw})
   state = dp.init(params)
-  # Backend optimisation off for the bytes: the collectives are fixed by the
-  # HLO passes before code generation, which is what takes long on CPU.
-  opts = None if backend_opt else {"xla_backend_optimization_level": 0}
-  return dp, state, dp.lower(state, batch).compile(compiler_options=opts)
+  # The bytes are read off the program's HLO as JAX emits it (compiling
+  # every configuration takes long on the shared CPU); the timed
+  # configurations are compiled, and their compiled HLO is reported beside.
+  lowered = dp.lower(state, batch)
+  if not backend_opt:   # The HLO before XLA's passes: no compilation.
+    return dp, state, lowered.compiler_ir("hlo").as_hlo_text()
+  return dp, state, lowered.compile()
 
 
 def measure_bytes(model: str, loss_fn, params, batch, labels, meshes
@@ -294,21 +307,24 @@ def measure_bytes(model: str, loss_fn, params, batch, labels, meshes
 
 
 def measure_step_time(loss_fn, params, labels=TIMED, rounds: int = 3,
-                      steps: int = 10) -> dict[str, float]:
+                      steps: int = 10):
   """Median seconds per compiled step (ResNet, W = 8, batch 64), the
-  configurations interleaved over ``rounds`` rounds of ``steps`` steps."""
+  configurations interleaved over ``rounds`` rounds of ``steps`` steps, and
+  the ring bytes of each compiled step's HLO."""
   mesh, axes, _ = _meshes()["W=8"]
   rng = np.random.default_rng(0)
   batch = (rng.normal(size=(64, 8, 8, 1)).astype(np.float32),
            rng.integers(0, 10, size=64).astype(np.int32))
-  grid, progs = dict(GRID), {}
+  grid, progs, compiled_ring = dict(GRID), {}, {}
   for label in labels:
-    dp = training.data_parallel_step(loss_fn, optax.sgd(0.01), mesh,
-                                     chunk_size=CHUNK, **axes, **grid[label])
+    dp = training.data_parallel_step(loss_fn, optax.sgd(0.01), mesh, **axes,
+                                     **{"chunk_size": CHUNK, **grid[label]})
     state = dp.init(jax.tree.map(np.asarray, params))
     state, loss = dp.step(state, batch)   # Compiles.
     loss.block_until_ready()
     progs[label] = [dp, state]
+    compiled_ring[label] = training.ring_traffic(
+        dp.lower(state, batch).compile())["total"]
   times: dict[str, list[float]] = {label: [] for label in labels}
   for _ in range(rounds):
     for label in labels:
@@ -319,7 +335,8 @@ def measure_step_time(loss_fn, params, labels=TIMED, rounds: int = 3,
         loss.block_until_ready()
         times[label].append(time.perf_counter() - tick)
       progs[label][1] = state
-  return {label: float(np.median(t)) for label, t in times.items()}
+  return ({label: float(np.median(t)) for label, t in times.items()},
+          compiled_ring)
 
 
 def crossover(dense_s: float, dense_bytes: float, ex_s: float,
@@ -351,6 +368,12 @@ CONFIGS = {
     "shared_replicated_bf16_0.0035": [
         "--exchange", "shared_support", "--exchange-fraction", "0.0035",
         "--exchange-support", "replicated", "--exchange-values", "bfloat16"],
+    # The same with chunks of one entry: each entry chosen by the replicated
+    # estimate of its own accumulated residual.
+    "shared_replicated_bf16_c1_0.0038": [
+        "--exchange", "shared_support", "--exchange-fraction", "0.0038",
+        "--exchange-support", "replicated", "--exchange-values", "bfloat16",
+        "--exchange-chunk-size", "1"],
     "all_gather_compact_bf16_0.0005": [
         "--exchange", "all_gather", "--exchange-fraction", "0.0005",
         "--exchange-indices", "compact", "--exchange-values", "bfloat16"],
@@ -424,12 +447,16 @@ def run_queue(task: str, names: list[str], seeds: list[int], path: str,
 
 
 def load_runs(runs_dir: str | None) -> dict[str, list[dict[str, Any]]]:
+  """The runs of ``runs_dir/<task>*.json`` (several queues may run at once,
+  each into its own file)."""
+  import glob
   out = {}
   for task in TASKS:
-    path = os.path.join(runs_dir or "", f"{task}.json")
-    if runs_dir and os.path.exists(path):
+    for path in sorted(glob.glob(os.path.join(runs_dir or "", f"{task}*.json"))
+                       ) if runs_dir else []:
       with open(path) as f:
-        out[task] = [r for r in json.load(f) if "error" not in r]
+        out.setdefault(task, []).extend(r for r in json.load(f)
+                                        if "error" not in r)
   return out
 
 
@@ -513,16 +540,18 @@ def markdown(data: dict[str, Any]) -> str:
         "step's (`inf`: it computes no longer, so it wins at any "
         "bandwidth). The last columns: modelled step time over dense's at "
         + ", ".join(f"{g} Gbit/s" for g in LINKS) + ".", "",
-        "| exchange | step (s) | x dense compute | ring bytes | crossover "
-        "(Gbit/s) | " + " | ".join(f"{g} Gbit/s" for g in LINKS) + " |",
-        "|---|---|---|---|---|" + "---|" * len(LINKS)]
+        "| exchange | step (s) | x dense compute | ring bytes (as emitted) | "
+        "ring bytes (compiled) | crossover (Gbit/s) | " + " | ".join(
+            f"{g} Gbit/s" for g in LINKS) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(LINKS)]
     for r in st["rows"]:
       cross = r["crossover_bps"]
       cross = ("—" if cross is None else "inf" if math.isinf(cross)
                else f"{cross / 1e9:.2f}")
       lines.append(
           f"| {r['label']} | {r['step_s']:.4f} | {r['compute_ratio']:.2f} | "
-          f"{r['ring_bytes']:,.0f} | {cross} | " + " | ".join(
+          f"{r['ring_bytes']:,.0f} | {r['compiled_ring_bytes']:,.0f} | "
+          f"{cross} | " + " | ".join(
               f"{x:.3f}" for x in r["time_ratio_at_links"]) + " |")
     lines.append("")
   quality = data.get("quality")
@@ -546,28 +575,8 @@ def markdown(data: dict[str, Any]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> dict[str, Any]:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="benchmarks/results")
-  parser.add_argument("--quick", action="store_true",
-                      help="ResNet-8, the subset, no BERT (smoke run).")
-  parser.add_argument("--runs", default=None,
-                      help="Directory of the run_queue JSON files "
-                      "(resnet.json, bert.json) to report.")
-  parser.add_argument("--queue", choices=tuple(TASKS), default=None,
-                      help="Run the example runs of this task into --runs "
-                      "instead of the report.")
-  parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
-  parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-  args = parser.parse_args(argv)
-  if jax.device_count() < 8:
-    raise SystemExit(f"needs 8 devices, found {jax.device_count()}; set "
-                     "XLA_FLAGS=--xla_force_host_platform_device_count=8")
-  if args.queue:
-    os.makedirs(args.runs, exist_ok=True)
-    return run_queue(args.queue, args.configs, args.seeds,
-                     os.path.join(args.runs, f"{args.queue}.json"))
-  tick = time.time()
+def measure_traffic(args) -> dict[str, Any]:
+  """Parts 1 and 2: bytes of every exchange, step times, crossovers."""
   data: dict[str, Any] = {"meta": {
       "command": COMMAND + (" --quick" if args.quick else "") + (
           f" --runs {args.runs}" if args.runs else ""),
@@ -590,7 +599,7 @@ def main(argv=None) -> dict[str, Any]:
         "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
         "num_leaves": len(jax.tree.leaves(params))}
   loss_fn, params, _ = models["resnet"][1]
-  times = measure_step_time(loss_fn, params)
+  times, compiled_ring = measure_step_time(loss_fn, params)
   ring = {r["label"]: r["hlo_ring_bytes"] for r in data["bytes"]["resnet"][
       "rows"] if r["mesh"] == "W=8"}
   st_rows = []
@@ -598,11 +607,45 @@ def main(argv=None) -> dict[str, Any]:
     dt, db = times["dense"], ring["dense"]
     st_rows.append({
         "label": label, "step_s": t, "compute_ratio": t / dt,
-        "ring_bytes": ring[label],
+        "ring_bytes": ring[label], "compiled_ring_bytes": compiled_ring[label],
         "crossover_bps": crossover(dt, db, t, ring[label]),
         "time_ratio_at_links": [(t + 8 * ring[label] / (g * 1e9)) /
                                 (dt + 8 * db / (g * 1e9)) for g in LINKS]})
   data["step_time"] = {"rows": st_rows, "links_gbps": list(LINKS)}
+  return data
+
+
+def main(argv=None) -> dict[str, Any]:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--quick", action="store_true",
+                      help="ResNet-8, the subset, no BERT (smoke run).")
+  parser.add_argument("--runs", default=None,
+                      help="Directory of the run_queue JSON files "
+                      "(resnet.json, bert.json) to report.")
+  parser.add_argument("--queue", choices=tuple(TASKS), default=None,
+                      help="Run the example runs of this task into --runs "
+                      "instead of the report.")
+  parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+  parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+  parser.add_argument("--reuse", action="store_true",
+                      help="Keep the bytes and step times of --out's "
+                      "communication.json; refresh the quality from --runs.")
+  args = parser.parse_args(argv)
+  if jax.device_count() < 8:
+    raise SystemExit(f"needs 8 devices, found {jax.device_count()}; set "
+                     "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+  if args.queue:
+    os.makedirs(args.runs, exist_ok=True)
+    return run_queue(args.queue, args.configs, args.seeds,
+                     os.path.join(args.runs, f"{args.queue}.json"))
+  tick = time.time()
+  path = os.path.join(args.out, "communication.json")
+  if args.reuse and os.path.exists(path):   # Refresh the quality only.
+    with open(path) as f:
+      data = json.load(f)
+  else:
+    data = measure_traffic(args)
   data["quality"] = summarize_runs(load_runs(args.runs))
   data["runs"] = load_runs(args.runs)
   data["meta"]["wall_time_s"] = time.time() - tick

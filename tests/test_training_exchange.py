@@ -6,6 +6,7 @@ what it sends, the mean and the new state with a NumPy re-implementation of
 the algorithm (Lin et al. 2018, Algorithm 1; Vogels et al. 2019, Algorithm 1).
 """
 
+import functools
 import math
 
 import jax
@@ -43,18 +44,26 @@ def _sharded(*specs):
   return tuple(out)
 
 
-def _exchange(grads_w, residual_w, **kw):
-  """One exchange of per-replica inputs ``(W, ...)``: ``(mean, residual_w)``."""
+@functools.lru_cache(maxsize=None)
+def _exchange_fn(with_residual, kw_items):
+  kw = dict(kw_items)
+
   def f(g, r):
     g = jax.tree.map(lambda x: x[0], g)
     r = None if r is None else jax.tree.map(lambda x: x[0], r)
     mean, r = training.sparse_pmean(g, r, AXIS, **kw)
     return mean, None if r is None else jax.tree.map(lambda x: x[None], r)
-  spec = P(AXIS) if residual_w is not None else None
+  spec = P(AXIS) if with_residual else None
   fn = jax.shard_map(f, mesh=_mesh(), in_specs=(P(AXIS), spec),
                      out_specs=(P(), spec))
-  mean, res = jax.jit(fn, in_shardings=_sharded(P(AXIS), spec))(grads_w,
-                                                               residual_w)
+  return jax.jit(fn, in_shardings=_sharded(P(AXIS), spec))
+
+
+def _exchange(grads_w, residual_w, **kw):
+  """One exchange of per-replica inputs ``(W, ...)``: ``(mean, residual_w)``
+  (one compiled program per set of options and shapes)."""
+  fn = _exchange_fn(residual_w is not None, tuple(sorted(kw.items())))
+  mean, res = fn(grads_w, residual_w)
   return (jax.tree.map(np.asarray, mean),
           None if res is None else jax.tree.map(np.asarray, res))
 
@@ -325,7 +334,10 @@ def test_powersgd_full_rank_equals_dense():
                         exchange="powersgd", rank=5)
   for k in g:
     np.testing.assert_allclose(mean[k], g[k].mean(0), atol=2e-5)
-    np.testing.assert_allclose(res[k], g[k] - g[k].mean(0), atol=2e-5)
+    # Matrices keep their deviation from the shared approximation; the 1-D
+    # leaf is averaged densely (nothing left behind).
+    want = g[k] - g[k].mean(0) if k != "v" else 0 * g[k]
+    np.testing.assert_allclose(res[k], want, atol=2e-5)
 
 
 def test_powersgd_rank_one_matches_numpy_and_warm_starts():
@@ -375,6 +387,7 @@ def _big_loss(params, batch):
                    - y) ** 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [
     dict(exchange="all_gather", fraction=0.01, values="bfloat16",
          indices="compact"),
@@ -396,21 +409,27 @@ def test_compiled_step_sends_only_its_payload(kw):
                       for s in sizes.values())
     assert ("all-gather", payload, W) in ops
   elif kw["exchange"] == "shared_support":
+    # bf16 as uint16: an all-to-all of the shares, an all-gather of the sums.
     rows = sum(compression.chunk_rows(list(sizes.values()), 64))
     payload = 2 * 64 * compression.num_kept(rows, 0.05)
-    assert ("all-reduce", payload, W) in ops
+    assert ("all-to-all", payload, W) in ops
+    assert ("all-gather", payload, W) in ops
   else:   # P's (with the dense bias), then Q's, float32.
     payload = 4 * (16 * 1 + 512 * 1 + 512)
     assert ("all-reduce", payload, W) in ops
-    assert ("all-reduce", 4 * (512 + 4), W) in ops
-  others = list(ops)
-  others.remove(next(op for op in ops if op[1] == payload))
+    q_bytes = next(b for k, b, _ in ops if b in (4 * (512 + 4),
+                                                  4 * (512 + 4) + 4))  # +loss
+    assert q_bytes and ("all-reduce", q_bytes, W) in ops
+  others = [op for op in ops if op[1] != payload]
   if kw["exchange"] == "powersgd":
-    others.remove(("all-reduce", 4 * (512 + 4), W))
+    others.remove(("all-reduce", q_bytes, W))
+  assert len(others) < len(ops)
   assert all(size <= 1024 for _, size, _ in others), ops
-  assert sum(s for _, s, _ in ops) < 0.1 * 4 * sum(sizes.values())
+  bound = 0.2 if kw["exchange"] == "powersgd" else 0.1   # Bias sent dense.
+  assert sum(s for _, s, _ in ops) < bound * 4 * sum(sizes.values())
 
 
+@pytest.mark.slow
 def test_dgc_step_trains_and_keeps_the_state_per_replica():
   rng = np.random.default_rng(3)
   batch = (rng.normal(size=(32, 16)).astype(np.float32),

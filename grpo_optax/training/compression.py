@@ -254,6 +254,42 @@ def all_gather_mean(accs: Sequence[jax.Array], axis_name: Any,
   return means, residuals, sent
 
 
+# -- the mean of a float payload ------------------------------------------------
+
+
+def replica_mean(x: jax.Array, axis_name: Any, values: str) -> jax.Array:
+  r"""Mean over the replicas of ``x`` (float32), sent as ``values``.
+
+  ``"float32"``: one all-reduce. ``"bfloat16"``: the two halves of a ring
+  all-reduce written out, so that only bfloat16 travels and the sum is
+  accumulated in float32: an all-to-all gives each replica its ``1/W``
+  share of everyone's bfloat16 values, which it sums in float32, and an
+  all-gather of the rounded bfloat16 shares returns the mean to everyone;
+  ``2 (W-1)/W`` of the bfloat16 bytes per device, as for a ring all-reduce.
+  (XLA's CPU backend widens a bfloat16 ``psum`` to float32, and moves a
+  float convert across a collective: the bfloat16 bits travel as uint16.)
+  The one rounding of the mean to bfloat16 is not fed back.
+  """
+  w = jax.lax.axis_size(axis_name)
+  if values == "float32" or w == 1:
+    out = jax.lax.psum(x.astype(jnp.bfloat16 if values == "bfloat16" else
+                                jnp.float32), axis_name)
+    return out.astype(jnp.float32) / w
+  shape, n = x.shape, x.size
+  x = jnp.pad(x.reshape(-1), (0, -n % w))
+  # Bit-cast to uint16 on the wire: XLA would move a float convert across
+  # the collective and send float32.
+  bits = lambda v: jax.lax.bitcast_convert_type(v.astype(jnp.bfloat16),
+                                                jnp.uint16)
+  unbits = lambda v: jax.lax.bitcast_convert_type(v, jnp.bfloat16).astype(
+      jnp.float32)
+  got = jax.lax.all_to_all(bits(x).reshape(w, -1), axis_name, 0, 0)
+  mine = jnp.sum(unbits(got), axis=0) / w                  # Row j: from j.
+  full = jax.lax.all_gather(bits(mine), axis_name, axis=0, tiled=True,
+                            to="invarying")
+  return unbits(full)[:n].reshape(shape)
+
+
 # -- shared support -----------------------------------------------------------
 
 
@@ -330,8 +366,7 @@ def shared_support_mean(accs: Sequence[jax.Array], axis_name: Any,
   payload = matrix[idx]
   if values == "bfloat16":
     payload = payload.astype(jnp.bfloat16)
-  w = jax.lax.axis_size(axis_name)
-  summed = jax.lax.psum(payload, axis_name).astype(jnp.float32) / w
+  summed = replica_mean(payload.astype(jnp.float32), axis_name, values)
   decoded = payload.astype(jnp.float32)
   mean = jnp.zeros(matrix.shape, jnp.float32).at[idx].set(summed)
   residual = matrix.at[idx].add(-decoded)
@@ -373,11 +408,8 @@ def init_powersgd(shapes: Sequence[Sequence[int]], rank: int, seed: int = 0):
 def _psum_packed(parts: list[jax.Array], axis_name, values: str):
   """Mean over replicas of the concatenated flat ``parts``, one all-reduce."""
   sizes = [p.size for p in parts]
-  flat = jnp.concatenate([p.reshape(-1) for p in parts])
-  if values == "bfloat16":
-    flat = flat.astype(jnp.bfloat16)
-  w = jax.lax.axis_size(axis_name)
-  flat = jax.lax.psum(flat, axis_name).astype(jnp.float32) / w
+  flat = replica_mean(jnp.concatenate([p.reshape(-1) for p in parts]),
+                      axis_name, values)
   out, offset = [], 0
   for p, n in zip(parts, sizes):
     out.append(flat[offset:offset + n].reshape(p.shape))
