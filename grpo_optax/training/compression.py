@@ -221,7 +221,7 @@ def all_gather_mean(accs: Sequence[jax.Array], axis_name: Any,
     payloads.append(payload)
     kept.append((decoded, idx, blocks))
   if not payloads:
-    return ([jnp.zeros_like(a) for a in accs], list(accs),
+    return ([jnp.zeros(a.shape, a.dtype) for a in accs], list(accs),
             [jnp.zeros(a.shape, bool) for a in accs])
   gathered = jax.lax.all_gather(jnp.concatenate(payloads), axis_name,
                                 to="invarying")      # (W, bytes): one op.
@@ -229,7 +229,7 @@ def all_gather_mean(accs: Sequence[jax.Array], axis_name: Any,
   means, residuals, sent, offset = [], [], [], 0
   for a, layout, k in zip(accs, layouts, kept):
     if layout is None:
-      means.append(jnp.zeros_like(a))
+      means.append(jnp.zeros(a.shape, a.dtype))
       residuals.append(a)
       sent.append(jnp.zeros(a.shape, bool))
       continue
@@ -353,7 +353,7 @@ def shared_support_mean(accs: Sequence[jax.Array], axis_name: Any,
                      f"'bfloat16' (an all-reduce sums them), got {values!r}.")
   matrix = _chunk_matrix(accs, chunk_size)
   if matrix is None:
-    return ([jnp.zeros_like(a) for a in accs], list(accs),
+    return ([jnp.zeros(a.shape, a.dtype) for a in accs], list(accs),
             [jnp.zeros(a.shape, bool) for a in accs], support)
   m = matrix.shape[0]
   kc = num_kept(m, fraction)
