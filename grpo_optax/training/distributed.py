@@ -7,37 +7,20 @@ same replicated parameters. JAX is the distributed engine: a ``Mesh``,
 :func:`jax.shard_map` and its collectives, and :func:`jax.distributed.initialize`
 to span several processes (CPU: gloo collectives; GPU: NCCL).
 
-Exchanges (``a_i = g_i + r_i`` is replica ``i``'s gradient plus its own
-error-feedback residual, ``W`` replicas, ``f`` the kept fraction):
-
-* ``"dense"``: ``pmean(g_i)``, one all-reduce of every gradient entry.
-* ``"all_gather"``: each replica keeps the ``k = ceil(f n)`` entries of each
-  leaf with the largest ``|a_i|``; the values (fp32) and per-leaf int32
-  indices of all leaves are packed into one buffer each, all-gathered, and
-  scatter-added: ``mean = (1/W) sum_i scatter(idx_i, val_i)``.
-* ``"shared_support"``: one index set common to all replicas, chosen from
-  replicated information: each leaf is cut into chunks of ``chunk_size``
-  entries (a smaller leaf is one chunk), the chunks' squared norms ``sum_i ||a_i[c]||^2`` are all-reduced
-  (``n / chunk_size`` floats), and the ``ceil(f * num_chunks)`` chunks of
-  largest norm are exchanged with one psum of their values.
-
-With error feedback the entries not sent stay in the residual
-(``r_i <- a_i - sent_i``) and are added to the next gradient, so nothing is
-lost: after ``T`` steps, (sum of applied mean gradients) + (mean residual)
-equals the sum of the mean gradients exactly (up to float rounding).
-
-Traffic (ring algorithms, per device; ``D`` = dense gradient bytes):
-
-* all-reduce of ``D`` bytes sends ``2 (W-1)/W D``;
-* all-gather whose result holds ``W`` blocks of ``k`` fp32 values and ``k``
-  int32 indices sends ``(W-1)/W * W k (4+4)`` bytes;
-
-so ``all_gather bytes / dense bytes = W f (value bytes + index bytes) /
-(2 * 4) = W f`` for fp32 + int32. The all-gather saves traffic only while
-``W f < 1``: at the articles' ``f = 0.3`` only for ``W = 2``. The shared
-support sends ``f + 1/chunk_size`` of the dense bytes for any ``W``.
-:func:`collective_bytes` and :func:`ring_traffic` read the bytes off a
-compiled program's HLO (XLA's ``cost_analysis()`` does not report them).
+Exchanges (:func:`sparse_pmean`, in :mod:`grpo_optax.training.exchange`;
+the compressors in :mod:`grpo_optax.training.compression`): ``"dense"`` (one
+all-reduce), ``"all_gather"`` (each replica's top-k, packed bytes, one
+all-gather), ``"shared_support"`` (the same chunks on every replica, one
+all-reduce; chosen from all-reduced norms or from replicated statistics at no
+collective) and ``"powersgd"`` (rank-r, two all-reduces), with bf16/int8
+values, compact indices, error feedback and Deep Gradient Compression's
+momentum correction, masking, local clipping and sparsity warm-up. The
+traffic law of each is in ``docs/communication.md``: under ring algorithms
+an all-reduce of ``D`` bytes sends ``2 (W-1)/W D`` per device and an
+all-gather ``(W-1)/W`` of its result, so the per-replica all-gather grows
+with ``W`` and the shared support does not. :func:`collective_bytes` and
+:func:`ring_traffic` read the bytes off a compiled program's HLO (XLA's
+``cost_analysis()`` does not report them).
 
 The pitfall (SPEC section 2): inside ``shard_map``, the parameters are
 replicated (invariant over the data axis) while the loss varies across
@@ -53,6 +36,10 @@ References:
   Communication Bandwidth for Distributed Training. ICLR 2018.
   https://arxiv.org/abs/1712.01887
 
+  Vogels, Karimireddy, Jaggi. PowerSGD: Practical Low-Rank Gradient
+  Compression for Distributed Optimization. NeurIPS 2019.
+  https://arxiv.org/abs/1905.13727
+
   Stich, Cordonnier, Jaggi. Sparsified SGD with Memory. NeurIPS 2018.
   https://arxiv.org/abs/1809.07599
 
@@ -63,9 +50,8 @@ References:
 from __future__ import annotations
 
 import math
-import operator
 import re
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,8 +62,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from grpo_optax.training import exchange as exchange_lib
-from grpo_optax.training.compression import num_kept
-from grpo_optax.training.exchange import EXCHANGES
+from grpo_optax.training.compression import num_kept  # noqa: F401  (re-exported)
+from grpo_optax.training.exchange import EXCHANGES  # noqa: F401  (re-exported)
 from grpo_optax.training.exchange import ExchangeState
 from grpo_optax.training.exchange import init_exchange
 from grpo_optax.training.exchange import sparse_pmean
