@@ -308,7 +308,7 @@ class Replicas:
     return {"replicas": self.num_replicas, "processes": jax.process_count(),
             "exchange": self.exchange,
             "fraction": None if self.exchange == "dense" else self.fraction,
-            "options": dict(self.options)}
+            **({"options": dict(self.options)} if self.options else {})}
 
 
 def make_replicas(args: argparse.Namespace) -> Replicas | None:
