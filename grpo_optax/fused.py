@@ -145,16 +145,17 @@ def _mask_phase(x_leaves, cfg: Optional[_Mask], state, treedef):
     thr, tau = sparsify.threshold_leaf_thresholds(
         a_leaves, dense, _common.unstack(state.tau), cfg.alpha, t, cfg.every,
         cfg.scale)
-    extra = {"tau": _common.stack(tau)}
+    extra = {"tau": _common.stack(tau, like=state.tau)}
     if not cfg.error_feedback:
       kept = [sparsify.sampled_kept(a, th) for a, th in zip(a_leaves, thr)]
   new_state = type(state)(
       count=optax.safe_increment(t),
       accumulator=(treedef.unflatten(a_leaves) if cfg.error_feedback
                    else None),
-      thresholds=_common.stack(thr),
+      thresholds=_common.stack(thr, like=state.thresholds),
       kept_fraction=(None if kept is None
-                     else sparsify.size_weighted(kept, sizes)),
+                     else sparsify.size_weighted(kept, sizes)
+                     + 0 * state.kept_fraction),
       **extra)
   return a_leaves, thr, new_state
 
