@@ -536,7 +536,8 @@ def top_k_mask(
         thresholds=_scalars(params),
         frequency=(optax.tree.zeros_like(params, dtype=jnp.float32)
                    if use_frequency else None),
-        kept_fraction=None if error_feedback else jnp.ones([], jnp.float32))
+        kept_fraction=(None if error_feedback and by_threshold
+                       else jnp.ones([], jnp.float32)))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -574,7 +575,7 @@ def top_k_mask(
         accumulator=treedef.unflatten(new_acc) if error_feedback else None,
         thresholds=_common.stack(thr, like=state.thresholds),
         frequency=new_freq,
-        kept_fraction=(None if error_feedback and by_threshold
+        kept_fraction=(None if state.kept_fraction is None
                        else size_weighted(kept, [g.size for g in leaves])
                        + 0 * state.kept_fraction))
 
