@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import os
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
-                                                                ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8"
-                             ).strip()
+if "xla_force_host_platform_device_count" not in os.environ.get(
+  "XLA_FLAGS", ""
+):
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+  ).strip()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse
@@ -60,56 +62,106 @@ COMMAND = "python -m benchmarks.communication"
 
 #: Exchanges whose bytes are measured: (label, data_parallel_step keywords).
 GRID = (
-    ("dense", dict(exchange="dense")),
-    # The articles' 30% (claims row 14).
-    ("all_gather fp32/int32 f=0.3", dict(exchange="all_gather",
-                                         fraction=0.3)),
-    ("shared_support norms fp32 f=0.3", dict(exchange="shared_support",
-                                             fraction=0.3)),
-    ("all_gather fp32/int32 f=0.01", dict(exchange="all_gather",
-                                          fraction=0.01)),
-    ("all_gather fp32/int32 f=0.001", dict(exchange="all_gather",
-                                           fraction=0.001)),
-    ("all_gather bf16/compact f=0.001", dict(
-        exchange="all_gather", fraction=0.001, values="bfloat16",
-        indices="compact")),
-    ("all_gather bf16/compact f=0.0005", dict(
-        exchange="all_gather", fraction=0.0005, values="bfloat16",
-        indices="compact")),
-    ("all_gather int8/compact f=0.0005", dict(
-        exchange="all_gather", fraction=0.0005, values="int8",
-        indices="compact")),
-    ("all_gather bf16/compact f=0.1 (bitmap)", dict(
-        exchange="all_gather", fraction=0.1, values="bfloat16",
-        indices="compact")),
-    ("shared_support norms fp32 f=0.01", dict(exchange="shared_support",
-                                              fraction=0.01)),
-    ("shared_support replicated fp32 f=0.01", dict(
-        exchange="shared_support", fraction=0.01, support="replicated")),
-    ("shared_support replicated bf16 f=0.01", dict(
-        exchange="shared_support", fraction=0.01, support="replicated",
-        values="bfloat16")),
-    ("shared_support replicated bf16 f=0.0035", dict(
-        exchange="shared_support", fraction=0.0035, support="replicated",
-        values="bfloat16")),
-    ("shared_support replicated bf16 c=1 f=0.0038", dict(
-        exchange="shared_support", fraction=0.0038, support="replicated",
-        values="bfloat16", chunk_size=1)),
-    ("powersgd r=1", dict(exchange="powersgd", rank=1)),
-    ("powersgd r=4", dict(exchange="powersgd", rank=4)),
-    ("powersgd r=1 bf16", dict(exchange="powersgd", rank=1,
-                               values="bfloat16")),
+  ("dense", dict(exchange="dense")),
+  # The articles' 30% (claims row 14).
+  ("all_gather fp32/int32 f=0.3", dict(exchange="all_gather", fraction=0.3)),
+  (
+    "shared_support norms fp32 f=0.3",
+    dict(exchange="shared_support", fraction=0.3),
+  ),
+  ("all_gather fp32/int32 f=0.01", dict(exchange="all_gather", fraction=0.01)),
+  (
+    "all_gather fp32/int32 f=0.001",
+    dict(exchange="all_gather", fraction=0.001),
+  ),
+  (
+    "all_gather bf16/compact f=0.001",
+    dict(
+      exchange="all_gather",
+      fraction=0.001,
+      values="bfloat16",
+      indices="compact",
+    ),
+  ),
+  (
+    "all_gather bf16/compact f=0.0005",
+    dict(
+      exchange="all_gather",
+      fraction=0.0005,
+      values="bfloat16",
+      indices="compact",
+    ),
+  ),
+  (
+    "all_gather int8/compact f=0.0005",
+    dict(
+      exchange="all_gather", fraction=0.0005, values="int8", indices="compact"
+    ),
+  ),
+  (
+    "all_gather bf16/compact f=0.1 (bitmap)",
+    dict(
+      exchange="all_gather", fraction=0.1, values="bfloat16", indices="compact"
+    ),
+  ),
+  (
+    "shared_support norms fp32 f=0.01",
+    dict(exchange="shared_support", fraction=0.01),
+  ),
+  (
+    "shared_support replicated fp32 f=0.01",
+    dict(exchange="shared_support", fraction=0.01, support="replicated"),
+  ),
+  (
+    "shared_support replicated bf16 f=0.01",
+    dict(
+      exchange="shared_support",
+      fraction=0.01,
+      support="replicated",
+      values="bfloat16",
+    ),
+  ),
+  (
+    "shared_support replicated bf16 f=0.0035",
+    dict(
+      exchange="shared_support",
+      fraction=0.0035,
+      support="replicated",
+      values="bfloat16",
+    ),
+  ),
+  (
+    "shared_support replicated bf16 c=1 f=0.0038",
+    dict(
+      exchange="shared_support",
+      fraction=0.0038,
+      support="replicated",
+      values="bfloat16",
+      chunk_size=1,
+    ),
+  ),
+  ("powersgd r=1", dict(exchange="powersgd", rank=1)),
+  ("powersgd r=4", dict(exchange="powersgd", rank=4)),
+  ("powersgd r=1 bf16", dict(exchange="powersgd", rank=1, values="bfloat16")),
 )
 #: The subset measured on the 2x4 mesh and on the BERT example.
-SUBSET = ("dense", "all_gather fp32/int32 f=0.001",
-          "all_gather bf16/compact f=0.0005",
-          "shared_support norms fp32 f=0.01",
-          "shared_support replicated bf16 f=0.0035",
-          "shared_support replicated bf16 c=1 f=0.0038", "powersgd r=1")
+SUBSET = (
+  "dense",
+  "all_gather fp32/int32 f=0.001",
+  "all_gather bf16/compact f=0.0005",
+  "shared_support norms fp32 f=0.01",
+  "shared_support replicated bf16 f=0.0035",
+  "shared_support replicated bf16 c=1 f=0.0038",
+  "powersgd r=1",
+)
 #: The exchanges whose step compute time is measured.
-TIMED = ("dense", "all_gather bf16/compact f=0.0005",
-         "shared_support replicated bf16 f=0.0035",
-         "shared_support replicated bf16 c=1 f=0.0038", "powersgd r=1")
+TIMED = (
+  "dense",
+  "all_gather bf16/compact f=0.0005",
+  "shared_support replicated bf16 f=0.0035",
+  "shared_support replicated bf16 c=1 f=0.0038",
+  "powersgd r=1",
+)
 #: Link bandwidths of the crossover table, Gbit/s.
 LINKS = (10, 25, 100)
 CHUNK = 64
@@ -127,6 +179,7 @@ def resnet_loss(depth: int = 20):
   dropped (they do not change the gradients or the exchange).
   """
   from flax import nnx
+
   from examples.resnet_cifar10 import models
 
   model = models.ResNet(depth, 10, 1, rngs=nnx.Rngs(0))
@@ -136,11 +189,14 @@ def resnet_loss(depth: int = 20):
     images, labels = batch
     m = nnx.merge(graphdef, p, jax.tree.map(jnp.array, rest))
     logits = m(images, train=True)
-    return optax.softmax_cross_entropy_with_integer_labels(logits,
-                                                           labels).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, labels
+    ).mean()
 
-  batch = (jax.ShapeDtypeStruct((64, 8, 8, 1), jnp.float32),
-           jax.ShapeDtypeStruct((64,), jnp.int32))
+  batch = (
+    jax.ShapeDtypeStruct((64, 8, 8, 1), jnp.float32),
+    jax.ShapeDtypeStruct((64,), jnp.int32),
+  )
   return loss_fn, params, batch
 
 
@@ -152,11 +208,13 @@ def bert_loss():
   (the exchange's collectives depend only on the parameters' shapes).
   """
   from flax import nnx
+
   from examples.bert_mlm import input_pipeline
   from examples.bert_mlm import models
 
-  data = input_pipeline.load(text_files=None, vocab_size=4096, seq_len=64,
-                             max_train=None, max_eval=None)
+  data = input_pipeline.load(
+    text_files=None, vocab_size=4096, seq_len=64, max_train=None, max_eval=None
+  )
   config = models.BertConfig(vocab_size=data.vocab_size, max_len=64)
   model = models.BertMLM(config, rngs=nnx.Rngs(0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -164,17 +222,20 @@ def bert_loss():
   def loss_fn(p, tokens):
     m = nnx.merge(graphdef, p, jax.tree.map(jnp.array, rest))
     positions = jnp.broadcast_to(jnp.arange(8), (tokens.shape[0], 8))
-    logits, _ = m.apply_with_entropy(tokens, deterministic=True,
-                                     positions=positions)
+    logits, _ = m.apply_with_entropy(
+      tokens, deterministic=True, positions=positions
+    )
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits, tokens[:, :8]).mean()
+      logits, tokens[:, :8]
+    ).mean()
 
   batch = jax.ShapeDtypeStruct((32, 64), jnp.int32)
   return loss_fn, params, batch
 
 
-def payload_bytes(shapes: list[tuple[int, ...]], kw: dict[str, Any],
-                  across: int) -> list[tuple[str, float]]:
+def payload_bytes(
+  shapes: list[tuple[int, ...]], kw: dict[str, Any], across: int
+) -> list[tuple[str, float]]:
   """The exchange's collectives ``(kind, result bytes)`` from the layout.
 
   ``across`` = replicas of the exchange. all_gather: ``across`` blocks of
@@ -188,14 +249,19 @@ def payload_bytes(shapes: list[tuple[int, ...]], kw: dict[str, Any],
   if ex == "dense":
     return [("all-reduce", 4 * sum(sizes))]
   if ex == "all_gather":
-    per = sum(compression._Layout(n, f, values, kw.get("indices", "int32"))  # pylint: disable=protected-access
-              .nbytes for n in sizes if n)
+    per = sum(
+      compression._Layout(n, f, values, kw.get("indices", "int32")).nbytes  # pylint: disable=protected-access
+      for n in sizes
+      if n
+    )
     return [("all-gather", across * per)]
-  def mean(count):   # compression.replica_mean of `count` values.
+
+  def mean(count):  # compression.replica_mean of `count` values.
     if values == "float32":
       return [("all-reduce", 4 * count)]
     padded = 2 * (count + -count % across)
     return [("all-to-all", padded), ("all-gather", padded)]
+
   if ex == "shared_support":
     chunk = kw.get("chunk_size", CHUNK)
     rows = sum(compression.chunk_rows(sizes, chunk))
@@ -222,39 +288,47 @@ def modelled_traffic(shapes, kw, groups: tuple[int, ...]) -> float:
   ring = distributed.ring_send_bytes
   total = ring("all-reduce", 4, math.prod(groups))
   if kw["exchange"] == "dense":
-    return total + ring("all-reduce", 4 * sum(math.prod(s) for s in shapes),
-                        math.prod(groups))
+    return total + ring(
+      "all-reduce", 4 * sum(math.prod(s) for s in shapes), math.prod(groups)
+    )
   if len(groups) == 2:
-    total += ring("all-reduce", 4 * sum(math.prod(s) for s in shapes),
-                  groups[1])
-  return total + sum(ring(kind, b, groups[0])
-                     for kind, b in payload_bytes(shapes, kw, groups[0]))
+    total += ring(
+      "all-reduce", 4 * sum(math.prod(s) for s in shapes), groups[1]
+    )
+  return total + sum(
+    ring(kind, b, groups[0]) for kind, b in payload_bytes(shapes, kw, groups[0])
+  )
 
 
 def _meshes():
   devices = np.array(jax.devices()[:8])
   return {
-      "W=8": (Mesh(devices, ("data",)), {"axis": "data"}, (8,)),
-      "2x4": (Mesh(devices.reshape(2, 4), ("node", "local")),
-              {"axis": "node", "dense_axis": "local"}, (2, 4)),
+    "W=8": (Mesh(devices, ("data",)), {"axis": "data"}, (8,)),
+    "2x4": (
+      Mesh(devices.reshape(2, 4), ("node", "local")),
+      {"axis": "node", "dense_axis": "local"},
+      (2, 4),
+    ),
   }
 
 
 def _compile(loss_fn, params, batch, mesh, axes, kw, backend_opt=False):
-  dp = training.data_parallel_step(loss_fn, optax.sgd(0.1), mesh,
-                                   **axes, **{"chunk_size": CHUNK, **kw})
+  dp = training.data_parallel_step(
+    loss_fn, optax.sgd(0.1), mesh, **axes, **{"chunk_size": CHUNK, **kw}
+  )
   state = dp.init(params)
   # The bytes are read off the program's HLO as JAX emits it (compiling
   # every configuration takes long on the shared CPU); the timed
   # configurations are compiled, and their compiled HLO is reported beside.
   lowered = dp.lower(state, batch)
-  if not backend_opt:   # The HLO before XLA's passes: no compilation.
+  if not backend_opt:  # The HLO before XLA's passes: no compilation.
     return dp, state, lowered.compiler_ir("hlo").as_hlo_text()
   return dp, state, lowered.compile()
 
 
-def measure_bytes(model: str, loss_fn, params, batch, labels, meshes
-                  ) -> list[dict[str, Any]]:
+def measure_bytes(
+  model: str, loss_fn, params, batch, labels, meshes
+) -> list[dict[str, Any]]:
   """HLO and modelled bytes for every mesh and labelled exchange."""
   shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
   grid = dict(GRID)
@@ -266,39 +340,58 @@ def measure_bytes(model: str, loss_fn, params, batch, labels, meshes
       kw = grid[label]
       tick = time.time()
       # The dense baseline is the flat step (one all-reduce over all 8).
-      use_mesh, use_axes = (mesh, axes) if kw["exchange"] != "dense" else (
-          _meshes()["W=8"][0], {"axis": "data"})
-      _, _, compiled = _compile(loss_fn, params, batch, use_mesh, use_axes,
-                                kw)
+      use_mesh, use_axes = (
+        (mesh, axes)
+        if kw["exchange"] != "dense"
+        else (_meshes()["W=8"][0], {"axis": "data"})
+      )
+      _, _, compiled = _compile(loss_fn, params, batch, use_mesh, use_axes, kw)
       ops = training.collective_ops(compiled)
       traffic = training.ring_traffic(compiled)["total"]
       by_group: dict[str, float] = {}
       for kind, size, group in ops:
         by_group[str(group)] = by_group.get(str(group), 0.0) + (
-            distributed.ring_send_bytes(kind, size, group))
-      model_ring = modelled_traffic(shapes, kw, groups if kw["exchange"]
-                                    != "dense" else (8,))
+          distributed.ring_send_bytes(kind, size, group)
+        )
+      model_ring = modelled_traffic(
+        shapes, kw, groups if kw["exchange"] != "dense" else (8,)
+      )
       if kw["exchange"] == "dense":
         dense_ring = traffic
       across = groups[0]
       dense_across = distributed.ring_send_bytes(
-          "all-reduce", 4 * sum(math.prod(s) for s in shapes), across)
-      rows.append({
-          "model": model, "mesh": mesh_name, "label": label, "options": kw,
+        "all-reduce", 4 * sum(math.prod(s) for s in shapes), across
+      )
+      rows.append(
+        {
+          "model": model,
+          "mesh": mesh_name,
+          "label": label,
+          "options": kw,
           "hlo_ops": [list(op) for op in ops],
-          "hlo_ring_bytes": traffic, "modelled_ring_bytes": model_ring,
+          "hlo_ring_bytes": traffic,
+          "modelled_ring_bytes": model_ring,
           "hlo_ring_bytes_by_group": by_group,
           "ratio_to_dense": traffic / dense_ring,
-          "across_ratio": (None if len(groups) == 1 or kw["exchange"] ==
-                           "dense" else by_group.get(str(across), 0.0) /
-                           dense_across),
+          "across_ratio": (
+            None
+            if len(groups) == 1 or kw["exchange"] == "dense"
+            else by_group.get(str(across), 0.0) / dense_across
+          ),
           "compile_s": time.time() - tick,
-      })
+        }
+      )
       r = rows[-1]
-      print(f"{model} {mesh_name} {label}: ring bytes {traffic:,.0f} "
-            f"(model {model_ring:,.0f}), x{r['ratio_to_dense']:.5f} dense"
-            + ("" if r["across_ratio"] is None else
-               f", across nodes x{r['across_ratio']:.5f}"), flush=True)
+      print(
+        f"{model} {mesh_name} {label}: ring bytes {traffic:,.0f} "
+        f"(model {model_ring:,.0f}), x{r['ratio_to_dense']:.5f} dense"
+        + (
+          ""
+          if r["across_ratio"] is None
+          else f", across nodes x{r['across_ratio']:.5f}"
+        ),
+        flush=True,
+      )
   return rows
 
 
@@ -306,25 +399,35 @@ def measure_bytes(model: str, loss_fn, params, batch, labels, meshes
 # 2. Step compute time and the bandwidth crossover.
 
 
-def measure_step_time(loss_fn, params, labels=TIMED, rounds: int = 3,
-                      steps: int = 10):
+def measure_step_time(
+  loss_fn, params, labels=TIMED, rounds: int = 3, steps: int = 10
+):
   """Median seconds per compiled step (ResNet, W = 8, batch 64), the
   configurations interleaved over ``rounds`` rounds of ``steps`` steps, and
-  the ring bytes of each compiled step's HLO."""
+  the ring bytes of each compiled step's HLO.
+  """
   mesh, axes, _ = _meshes()["W=8"]
   rng = np.random.default_rng(0)
-  batch = (rng.normal(size=(64, 8, 8, 1)).astype(np.float32),
-           rng.integers(0, 10, size=64).astype(np.int32))
+  batch = (
+    rng.normal(size=(64, 8, 8, 1)).astype(np.float32),
+    rng.integers(0, 10, size=64).astype(np.int32),
+  )
   grid, progs, compiled_ring = dict(GRID), {}, {}
   for label in labels:
-    dp = training.data_parallel_step(loss_fn, optax.sgd(0.01), mesh, **axes,
-                                     **{"chunk_size": CHUNK, **grid[label]})
+    dp = training.data_parallel_step(
+      loss_fn,
+      optax.sgd(0.01),
+      mesh,
+      **axes,
+      **{"chunk_size": CHUNK, **grid[label]},
+    )
     state = dp.init(jax.tree.map(np.asarray, params))
-    state, loss = dp.step(state, batch)   # Compiles.
+    state, loss = dp.step(state, batch)  # Compiles.
     loss.block_until_ready()
     progs[label] = [dp, state]
     compiled_ring[label] = training.ring_traffic(
-        dp.lower(state, batch).compile())["total"]
+      dp.lower(state, batch).compile()
+    )["total"]
   times: dict[str, list[float]] = {label: [] for label in labels}
   for _ in range(rounds):
     for label in labels:
@@ -335,12 +438,15 @@ def measure_step_time(loss_fn, params, labels=TIMED, rounds: int = 3,
         loss.block_until_ready()
         times[label].append(time.perf_counter() - tick)
       progs[label][1] = state
-  return ({label: float(np.median(t)) for label, t in times.items()},
-          compiled_ring)
+  return (
+    {label: float(np.median(t)) for label, t in times.items()},
+    compiled_ring,
+  )
 
 
-def crossover(dense_s: float, dense_bytes: float, ex_s: float,
-              ex_bytes: float) -> float | None:
+def crossover(
+  dense_s: float, dense_bytes: float, ex_s: float, ex_bytes: float
+) -> float | None:
   r"""Link bandwidth (bit/s) below which the exchange's step is faster.
 
   With a step time of compute + bytes / bandwidth (no overlap),
@@ -362,22 +468,44 @@ def crossover(dense_s: float, dense_bytes: float, ex_s: float,
 #: The exchanges compared on the examples: name -> flags after
 #: ``--data-parallel`` (the examples' defaults otherwise).
 CONFIGS = {
-    "dense": ["--exchange", "dense"],
-    # Replicated support: no collective but the payload; bf16 values; DGC's
-    # sparsity warm-up (stage length set per example below).
-    "shared_replicated_bf16_0.0035": [
-        "--exchange", "shared_support", "--exchange-fraction", "0.0035",
-        "--exchange-support", "replicated", "--exchange-values", "bfloat16"],
-    # The same with chunks of one entry: each entry chosen by the replicated
-    # estimate of its own accumulated residual.
-    "shared_replicated_bf16_c1_0.0038": [
-        "--exchange", "shared_support", "--exchange-fraction", "0.0038",
-        "--exchange-support", "replicated", "--exchange-values", "bfloat16",
-        "--exchange-chunk-size", "1"],
-    "all_gather_compact_bf16_0.0005": [
-        "--exchange", "all_gather", "--exchange-fraction", "0.0005",
-        "--exchange-indices", "compact", "--exchange-values", "bfloat16"],
-    "powersgd_r1": ["--exchange", "powersgd", "--exchange-rank", "1"],
+  "dense": ["--exchange", "dense"],
+  # Replicated support: no collective but the payload; bf16 values; DGC's
+  # sparsity warm-up (stage length set per example below).
+  "shared_replicated_bf16_0.0035": [
+    "--exchange",
+    "shared_support",
+    "--exchange-fraction",
+    "0.0035",
+    "--exchange-support",
+    "replicated",
+    "--exchange-values",
+    "bfloat16",
+  ],
+  # The same with chunks of one entry: each entry chosen by the replicated
+  # estimate of its own accumulated residual.
+  "shared_replicated_bf16_c1_0.0038": [
+    "--exchange",
+    "shared_support",
+    "--exchange-fraction",
+    "0.0038",
+    "--exchange-support",
+    "replicated",
+    "--exchange-values",
+    "bfloat16",
+    "--exchange-chunk-size",
+    "1",
+  ],
+  "all_gather_compact_bf16_0.0005": [
+    "--exchange",
+    "all_gather",
+    "--exchange-fraction",
+    "0.0005",
+    "--exchange-indices",
+    "compact",
+    "--exchange-values",
+    "bfloat16",
+  ],
+  "powersgd_r1": ["--exchange", "powersgd", "--exchange-rank", "1"],
 }
 
 #: Steps per warm-up stage (DGC: one epoch per stage of the four; here
@@ -397,28 +525,39 @@ def config_argv(task: str, name: str) -> list[str]:
 def run_example(task: str, name: str, seed: int, extra_argv=()):
   """One run of an example: held-out metrics, step times, the command."""
   import importlib
+
   main_mod = importlib.import_module(TASKS[task] + ".main")
   train_mod = importlib.import_module(TASKS[task] + ".train")
-  argv = ["--data-parallel", *config_argv(task, name), "--seed", str(seed),
-          "--quiet", *extra_argv]
+  argv = [
+    "--data-parallel",
+    *config_argv(task, name),
+    "--seed",
+    str(seed),
+    "--quiet",
+    *extra_argv,
+  ]
   tick = time.time()
   summary = train_mod.train_and_evaluate(main_mod.parse_args(argv))
   return {
-      "task": task, "config": name, "seed": seed,
-      "command": f"python -m {TASKS[task]} " + " ".join(
-          a for a in argv if a != "--quiet"),
-      "eval_loss": summary["eval_loss"],
-      "eval_accuracy": summary.get("eval_accuracy"),
-      "eval_history": summary["eval_history"],
-      "train_loss_history": summary["train_loss_history"],
-      "steps": summary["steps"], "optimizer": summary["optimizer"],
-      "replicas": summary["data_parallel"]["replicas"],
-      "wall_time_s": time.time() - tick,
+    "task": task,
+    "config": name,
+    "seed": seed,
+    "command": f"python -m {TASKS[task]} "
+    + " ".join(a for a in argv if a != "--quiet"),
+    "eval_loss": summary["eval_loss"],
+    "eval_accuracy": summary.get("eval_accuracy"),
+    "eval_history": summary["eval_history"],
+    "train_loss_history": summary["train_loss_history"],
+    "steps": summary["steps"],
+    "optimizer": summary["optimizer"],
+    "replicas": summary["data_parallel"]["replicas"],
+    "wall_time_s": time.time() - tick,
   }
 
 
-def run_queue(task: str, names: list[str], seeds: list[int], path: str,
-              extra_argv=()) -> list[dict[str, Any]]:
+def run_queue(
+  task: str, names: list[str], seeds: list[int], path: str, extra_argv=()
+) -> list[dict[str, Any]]:
   """Runs every (seed, config) not yet in ``path``, saving after each."""
   done = []
   if os.path.exists(path):
@@ -436,9 +575,15 @@ def run_queue(task: str, names: list[str], seeds: list[int], path: str,
       done.append(row)
       with open(path, "w") as f:
         json.dump(done, f, indent=1)
-      print(f"{task} {name} seed {seed}: "
-            + (f"held-out loss {row['eval_loss']:.4f}" if "eval_loss" in row
-               else row["error"]), flush=True)
+      print(
+        f"{task} {name} seed {seed}: "
+        + (
+          f"held-out loss {row['eval_loss']:.4f}"
+          if "eval_loss" in row
+          else row["error"]
+        ),
+        flush=True,
+      )
   return done
 
 
@@ -448,15 +593,21 @@ def run_queue(task: str, names: list[str], seeds: list[int], path: str,
 
 def load_runs(runs_dir: str | None) -> dict[str, list[dict[str, Any]]]:
   """The runs of ``runs_dir/<task>*.json`` (several queues may run at once,
-  each into its own file)."""
+  each into its own file).
+  """
   import glob
+
   out = {}
   for task in TASKS:
-    for path in sorted(glob.glob(os.path.join(runs_dir or "", f"{task}*.json"))
-                       ) if runs_dir else []:
+    for path in (
+      sorted(glob.glob(os.path.join(runs_dir or "", f"{task}*.json")))
+      if runs_dir
+      else []
+    ):
       with open(path) as f:
-        out.setdefault(task, []).extend(r for r in json.load(f)
-                                        if "error" not in r)
+        out.setdefault(task, []).extend(
+          r for r in json.load(f) if "error" not in r
+        )
   return out
 
 
@@ -470,38 +621,50 @@ def summarize_runs(runs: dict[str, list[dict[str, Any]]]) -> list[dict]:
       vals = [r[key] for r in items if r["config"] == name]
       if not vals:
         continue
-      row = {"task": task, "config": name, "metric": key,
-             "seeds": sorted(r["seed"] for r in items
-                             if r["config"] == name),
-             "values": vals, "mean": float(np.mean(vals)),
-             "steps": items[0]["steps"],
-             "command": next(r["command"] for r in items
-                             if r["config"] == name),
-             "wall_time_s": float(np.mean([r["wall_time_s"] for r in items
-                                           if r["config"] == name]))}
+      row = {
+        "task": task,
+        "config": name,
+        "metric": key,
+        "seeds": sorted(r["seed"] for r in items if r["config"] == name),
+        "values": vals,
+        "mean": float(np.mean(vals)),
+        "steps": items[0]["steps"],
+        "command": next(r["command"] for r in items if r["config"] == name),
+        "wall_time_s": float(
+          np.mean([r["wall_time_s"] for r in items if r["config"] == name])
+        ),
+      }
       if dense and name != "dense":
         d = float(np.mean(dense))
-        row["vs_dense"] = (row["mean"] - d if task == "resnet"
-                           else row["mean"] / d - 1)
+        row["vs_dense"] = (
+          row["mean"] - d if task == "resnet" else row["mean"] / d - 1
+        )
       rows.append(row)
   return rows
 
 
 def _bytes_table(rows, with_across=False) -> list[str]:
-  lines = ["| exchange | HLO collectives (kind, result bytes, group) | ring "
-           "bytes/device (HLO) | ring bytes (model) | x dense fp32 |"
-           + (" across nodes x dense |" if with_across else ""),
-           "|---|---|---|---|---|" + ("---|" if with_across else "")]
+  lines = [
+    "| exchange | HLO collectives (kind, result bytes, group) | ring "
+    "bytes/device (HLO) | ring bytes (model) | x dense fp32 |"
+    + (" across nodes x dense |" if with_across else ""),
+    "|---|---|---|---|---|" + ("---|" if with_across else ""),
+  ]
   for r in rows:
     ops = "; ".join(f"{k} {b:,} ({g})" for k, b, g in r["hlo_ops"])
-    if len(r["hlo_ops"]) > 6:   # The dense step: one all-reduce per leaf.
-      ops = (f"{len(r['hlo_ops'])} all-reduces, "
-             f"{sum(b for _, b, _ in r['hlo_ops']):,} bytes")
-    line = (f"| {r['label']} | {ops} | {r['hlo_ring_bytes']:,.0f} | "
-            f"{r['modelled_ring_bytes']:,.0f} | {r['ratio_to_dense']:.5f} |")
+    if len(r["hlo_ops"]) > 6:  # The dense step: one all-reduce per leaf.
+      ops = (
+        f"{len(r['hlo_ops'])} all-reduces, "
+        f"{sum(b for _, b, _ in r['hlo_ops']):,} bytes"
+      )
+    line = (
+      f"| {r['label']} | {ops} | {r['hlo_ring_bytes']:,.0f} | "
+      f"{r['modelled_ring_bytes']:,.0f} | {r['ratio_to_dense']:.5f} |"
+    )
     if with_across:
-      line += ("—" if r["across_ratio"] is None
-               else f" {r['across_ratio']:.5f}") + " |"
+      line += (
+        "—" if r["across_ratio"] is None else f" {r['across_ratio']:.5f}"
+      ) + " |"
     lines.append(line)
   return lines
 
@@ -509,114 +672,184 @@ def _bytes_table(rows, with_across=False) -> list[str]:
 def markdown(data: dict[str, Any]) -> str:
   meta = data["meta"]
   lines = [
-      "# Communication of the data-parallel exchanges", "",
-      f"Generated by `{meta['command']}` on {meta['device']} "
-      f"(jax {meta['jax']})" + (f"; quality refreshed by "
-                                f"`{meta['quality_command']}`"
-                                if meta.get("quality_command") else "")
-      + ".", "",
-      "Ring bytes: what one device sends per step under ring algorithms "
-      "(all-reduce 2(g-1)/g of the result, all-gather (g-1)/g, g = the op's "
-      "group), read off the compiled step's HLO (`ring_traffic`) and "
-      "modelled from the payload layout; `x dense fp32`: over the dense "
-      "step's (one fp32 all-reduce of the gradient over all 8 devices, "
-      "plus the 4-byte loss in both).", ""]
+    "# Communication of the data-parallel exchanges",
+    "",
+    f"Generated by `{meta['command']}` on {meta['device']} "
+    f"(jax {meta['jax']})"
+    + (
+      f"; quality refreshed by `{meta['quality_command']}`"
+      if meta.get("quality_command")
+      else ""
+    )
+    + ".",
+    "",
+    "Ring bytes: what one device sends per step under ring algorithms "
+    "(all-reduce 2(g-1)/g of the result, all-gather (g-1)/g, g = the op's "
+    "group), read off the compiled step's HLO (`ring_traffic`) and "
+    "modelled from the payload layout; `x dense fp32`: over the dense "
+    "step's (one fp32 all-reduce of the gradient over all 8 devices, "
+    "plus the 4-byte loss in both).",
+    "",
+  ]
   for model in data["bytes"]:
     b = data["bytes"][model]
-    lines += [f"## {b['name']}: {b['num_params']:,} parameters in "
-              f"{b['num_leaves']} leaves", ""]
+    lines += [
+      f"## {b['name']}: {b['num_params']:,} parameters in "
+      f"{b['num_leaves']} leaves",
+      "",
+    ]
     for mesh in ("W=8", "2x4"):
       rows = [r for r in b["rows"] if r["mesh"] == mesh]
       if not rows:
         continue
-      lines += [f"### {mesh}" + (": dense within each node of 4, the "
-                "exchange across 2 nodes (across x dense: over a dense fp32 "
-                "all-reduce across the 2 nodes)" if mesh == "2x4" else ""),
-                ""] + _bytes_table(rows, mesh == "2x4") + [""]
+      lines += (
+        [
+          f"### {mesh}"
+          + (
+            ": dense within each node of 4, the "
+            "exchange across 2 nodes (across x dense: over a dense fp32 "
+            "all-reduce across the 2 nodes)"
+            if mesh == "2x4"
+            else ""
+          ),
+          "",
+        ]
+        + _bytes_table(rows, mesh == "2x4")
+        + [""]
+      )
   st = data.get("step_time")
   if st:
     lines += [
-        "## Step compute time and the bandwidth crossover (ResNet, W = 8)",
-        "",
-        "Median seconds per compiled step on the forced CPU devices (batch "
-        "64, the configurations interleaved in one process; the devices "
-        "share 2 cores, so the collectives cost no network time here). "
-        "`crossover`: the link bandwidth below which the exchange's step "
-        "(compute + ring bytes / bandwidth, no overlap) beats the dense "
-        "step's (`inf`: it computes no longer, so it wins at any "
-        "bandwidth). The last columns: modelled step time over dense's at "
-        + ", ".join(f"{g} Gbit/s" for g in LINKS) + ".", "",
-        "| exchange | step (s) | x dense compute | ring bytes (as emitted) | "
-        "ring bytes (compiled) | crossover (Gbit/s) | " + " | ".join(
-            f"{g} Gbit/s" for g in LINKS) + " |",
-        "|---|---|---|---|---|---|" + "---|" * len(LINKS)]
+      "## Step compute time and the bandwidth crossover (ResNet, W = 8)",
+      "",
+      "Median seconds per compiled step on the forced CPU devices (batch "
+      "64, the configurations interleaved in one process; the devices "
+      "share 2 cores, so the collectives cost no network time here). "
+      "`crossover`: the link bandwidth below which the exchange's step "
+      "(compute + ring bytes / bandwidth, no overlap) beats the dense "
+      "step's (`inf`: it computes no longer, so it wins at any "
+      "bandwidth). The last columns: modelled step time over dense's at "
+      + ", ".join(f"{g} Gbit/s" for g in LINKS)
+      + ".",
+      "",
+      "| exchange | step (s) | x dense compute | ring bytes (as emitted) | "
+      "ring bytes (compiled) | crossover (Gbit/s) | "
+      + " | ".join(f"{g} Gbit/s" for g in LINKS)
+      + " |",
+      "|---|---|---|---|---|---|" + "---|" * len(LINKS),
+    ]
     for r in st["rows"]:
       cross = r["crossover_bps"]
-      cross = ("—" if cross is None else "inf" if math.isinf(cross)
-               else f"{cross / 1e9:.2f}")
+      cross = (
+        "—"
+        if cross is None
+        else "inf"
+        if math.isinf(cross)
+        else f"{cross / 1e9:.2f}"
+      )
       lines.append(
-          f"| {r['label']} | {r['step_s']:.4f} | {r['compute_ratio']:.2f} | "
-          f"{r['ring_bytes']:,.0f} | {r['compiled_ring_bytes']:,.0f} | "
-          f"{cross} | " + " | ".join(
-              f"{x:.3f}" for x in r["time_ratio_at_links"]) + " |")
+        f"| {r['label']} | {r['step_s']:.4f} | {r['compute_ratio']:.2f} | "
+        f"{r['ring_bytes']:,.0f} | {r['compiled_ring_bytes']:,.0f} | "
+        f"{cross} | "
+        + " | ".join(f"{x:.3f}" for x in r["time_ratio_at_links"])
+        + " |"
+      )
     lines.append("")
   quality = data.get("quality")
   if quality:
     lines += [
-        "## Held-out quality at equal steps (8 forced CPU devices)", "",
-        "The examples with `--data-parallel` and the exchange's flags, "
-        "their defaults otherwise (optimizer grpo, ResNet 300 steps, BERT "
-        "600). ResNet: held-out accuracy (mean over the seeds; `vs dense` "
-        "in points x 100); BERT: held-out MLM loss (`vs dense` relative).",
-        "", "| example | exchange | seeds | values | mean | vs dense | "
-        "command |", "|---|---|---|---|---|---|---|"]
+      "## Held-out quality at equal steps (8 forced CPU devices)",
+      "",
+      "The examples with `--data-parallel` and the exchange's flags, "
+      "their defaults otherwise (optimizer grpo, ResNet 300 steps, BERT "
+      "600). ResNet: held-out accuracy (mean over the seeds; `vs dense` "
+      "in points x 100); BERT: held-out MLM loss (`vs dense` relative).",
+      "",
+      "| example | exchange | seeds | values | mean | vs dense | command |",
+      "|---|---|---|---|---|---|---|",
+    ]
     for r in quality:
       vs = r.get("vs_dense")
-      vs = "—" if vs is None else (f"{100 * vs:+.2f} pts" if r["task"] ==
-                                   "resnet" else f"{100 * vs:+.2f}%")
+      vs = (
+        "—"
+        if vs is None
+        else (
+          f"{100 * vs:+.2f} pts"
+          if r["task"] == "resnet"
+          else f"{100 * vs:+.2f}%"
+        )
+      )
       lines.append(
-          f"| {r['task']} | {r['config']} | {r['seeds']} | "
-          + ", ".join(f"{v:.4f}" for v in r["values"])
-          + f" | {r['mean']:.4f} | {vs} | `{r['command']}` |")
+        f"| {r['task']} | {r['config']} | {r['seeds']} | "
+        + ", ".join(f"{v:.4f}" for v in r["values"])
+        + f" | {r['mean']:.4f} | {vs} | `{r['command']}` |"
+      )
   return "\n".join(lines) + "\n"
 
 
 def measure_traffic(args) -> dict[str, Any]:
   """Parts 1 and 2: bytes of every exchange, step times, crossovers."""
-  data: dict[str, Any] = {"meta": {
-      "command": COMMAND + (" --quick" if args.quick else "") + (
-          f" --runs {args.runs}" if args.runs else ""),
+  data: dict[str, Any] = {
+    "meta": {
+      "command": COMMAND
+      + (" --quick" if args.quick else "")
+      + (f" --runs {args.runs}" if args.runs else ""),
       "device": f"{jax.devices()[0].platform} x{jax.device_count()} "
-                f"({platform.machine()}, {os.cpu_count()} cpus)",
-      "jax": jax.__version__}, "bytes": {}}
+      f"({platform.machine()}, {os.cpu_count()} cpus)",
+      "jax": jax.__version__,
+    },
+    "bytes": {},
+  }
   labels = SUBSET if args.quick else [label for label, _ in GRID]
-  models = {"resnet": (f"ResNet-{8 if args.quick else 20} (example), 8x8 "
-                       "digits", resnet_loss(8 if args.quick else 20))}
+  models = {
+    "resnet": (
+      f"ResNet-{8 if args.quick else 20} (example), 8x8 digits",
+      resnet_loss(8 if args.quick else 20),
+    )
+  }
   if not args.quick:
     models["bert"] = ("BERT example (default encoder)", bert_loss())
   for key, (name, (loss_fn, params, batch)) in models.items():
-    rows = measure_bytes(key, loss_fn, params, batch,
-                         labels if key == "resnet" else SUBSET,
-                         ("W=8", "2x4") if key == "resnet" else ("W=8",))
-    if key == "resnet" and not args.quick:   # 2x4: the subset only.
+    rows = measure_bytes(
+      key,
+      loss_fn,
+      params,
+      batch,
+      labels if key == "resnet" else SUBSET,
+      ("W=8", "2x4") if key == "resnet" else ("W=8",),
+    )
+    if key == "resnet" and not args.quick:  # 2x4: the subset only.
       rows = [r for r in rows if r["mesh"] == "W=8" or r["label"] in SUBSET]
     data["bytes"][key] = {
-        "name": name, "rows": rows,
-        "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
-        "num_leaves": len(jax.tree.leaves(params))}
+      "name": name,
+      "rows": rows,
+      "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
+      "num_leaves": len(jax.tree.leaves(params)),
+    }
   loss_fn, params, _ = models["resnet"][1]
   times, compiled_ring = measure_step_time(loss_fn, params)
-  ring = {r["label"]: r["hlo_ring_bytes"] for r in data["bytes"]["resnet"][
-      "rows"] if r["mesh"] == "W=8"}
+  ring = {
+    r["label"]: r["hlo_ring_bytes"]
+    for r in data["bytes"]["resnet"]["rows"]
+    if r["mesh"] == "W=8"
+  }
   st_rows = []
   for label, t in times.items():
     dt, db = times["dense"], ring["dense"]
-    st_rows.append({
-        "label": label, "step_s": t, "compute_ratio": t / dt,
-        "ring_bytes": ring[label], "compiled_ring_bytes": compiled_ring[label],
+    st_rows.append(
+      {
+        "label": label,
+        "step_s": t,
+        "compute_ratio": t / dt,
+        "ring_bytes": ring[label],
+        "compiled_ring_bytes": compiled_ring[label],
         "crossover_bps": crossover(dt, db, t, ring[label]),
-        "time_ratio_at_links": [(t + 8 * ring[label] / (g * 1e9)) /
-                                (dt + 8 * db / (g * 1e9)) for g in LINKS]})
+        "time_ratio_at_links": [
+          (t + 8 * ring[label] / (g * 1e9)) / (dt + 8 * db / (g * 1e9))
+          for g in LINKS
+        ],
+      }
+    )
   data["step_time"] = {"rows": st_rows, "links_gbps": list(LINKS)}
   return data
 
@@ -624,34 +857,53 @@ def measure_traffic(args) -> dict[str, Any]:
 def main(argv=None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default="benchmarks/results")
-  parser.add_argument("--quick", action="store_true",
-                      help="ResNet-8, the subset, no BERT (smoke run).")
-  parser.add_argument("--runs", default=None,
-                      help="Directory of the run_queue JSON files "
-                      "(resnet.json, bert.json) to report.")
-  parser.add_argument("--queue", choices=tuple(TASKS), default=None,
-                      help="Run the example runs of this task into --runs "
-                      "instead of the report.")
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help="ResNet-8, the subset, no BERT (smoke run).",
+  )
+  parser.add_argument(
+    "--runs",
+    default=None,
+    help="Directory of the run_queue JSON files "
+    "(resnet.json, bert.json) to report.",
+  )
+  parser.add_argument(
+    "--queue",
+    choices=tuple(TASKS),
+    default=None,
+    help="Run the example runs of this task into --runs instead of the report.",
+  )
   parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
   parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-  parser.add_argument("--reuse", action="store_true",
-                      help="Keep the bytes and step times of --out's "
-                      "communication.json; refresh the quality from --runs.")
+  parser.add_argument(
+    "--reuse",
+    action="store_true",
+    help="Keep the bytes and step times of --out's "
+    "communication.json; refresh the quality from --runs.",
+  )
   args = parser.parse_args(argv)
   if jax.device_count() < 8:
-    raise SystemExit(f"needs 8 devices, found {jax.device_count()}; set "
-                     "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    raise SystemExit(
+      f"needs 8 devices, found {jax.device_count()}; set "
+      "XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    )
   if args.queue:
     os.makedirs(args.runs, exist_ok=True)
-    return run_queue(args.queue, args.configs, args.seeds,
-                     os.path.join(args.runs, f"{args.queue}.json"))
+    return run_queue(
+      args.queue,
+      args.configs,
+      args.seeds,
+      os.path.join(args.runs, f"{args.queue}.json"),
+    )
   tick = time.time()
   path = os.path.join(args.out, "communication.json")
-  if args.reuse and os.path.exists(path):   # Refresh the quality only.
+  if args.reuse and os.path.exists(path):  # Refresh the quality only.
     with open(path) as f:
       data = json.load(f)
-    data["meta"]["quality_command"] = (f"{COMMAND} --reuse --out {args.out}"
-                                       f" --runs {args.runs}")
+    data["meta"]["quality_command"] = (
+      f"{COMMAND} --reuse --out {args.out} --runs {args.runs}"
+    )
   else:
     data = measure_traffic(args)
   data["quality"] = summarize_runs(load_runs(args.runs))

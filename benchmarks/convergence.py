@@ -41,7 +41,10 @@ import platform
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,18 +62,18 @@ SMOOTH_FRACTION = 0.1  # The final loss is the mean over this tail of steps.
 BASELINE = "adam"
 
 OPTIMIZERS: dict[str, Factory] = {
-    "sgd": lambda lr: optax.sgd(lr, momentum=0.9),
-    "adam": optax.adam,
-    "adamw": lambda lr: optax.adamw(lr, weight_decay=ADAMW_WEIGHT_DECAY),
-    "nadam": optax.nadam,
-    "grpo": grpo_optax.grpo,
+  "sgd": lambda lr: optax.sgd(lr, momentum=0.9),
+  "adam": optax.adam,
+  "adamw": lambda lr: optax.adamw(lr, weight_decay=ADAMW_WEIGHT_DECAY),
+  "nadam": optax.nadam,
+  "grpo": grpo_optax.grpo,
 }
 DESCRIPTIONS = {
-    "sgd": "optax.sgd(lr, momentum=0.9)",
-    "adam": "optax.adam(lr)",
-    "adamw": f"optax.adamw(lr, weight_decay={ADAMW_WEIGHT_DECAY:g})",
-    "nadam": "optax.nadam(lr)",
-    "grpo": "grpo_optax.grpo(lr), library defaults",
+  "sgd": "optax.sgd(lr, momentum=0.9)",
+  "adam": "optax.adam(lr)",
+  "adamw": f"optax.adamw(lr, weight_decay={ADAMW_WEIGHT_DECAY:g})",
+  "nadam": "optax.nadam(lr)",
+  "grpo": "grpo_optax.grpo(lr), library defaults",
 }
 # Columns of the ratio table, in this order, when present.
 RATIO_COLUMNS = ("grpo", "nadam", "adamw", "sgd")
@@ -79,7 +82,7 @@ RATIO_COLUMNS = ("grpo", "nadam", "adamw", "sgd")
 # --------------------------------------------------------------- helpers
 
 
-def _finite_or_none(x) -> Optional[float]:
+def _finite_or_none(x) -> float | None:
   x = float(x)
   return x if math.isfinite(x) else None
 
@@ -88,29 +91,35 @@ def _stats(values: Sequence[float]) -> dict[str, Any]:
   """Mean and sample std; None when any value is not finite (diverged)."""
   v = np.asarray(values, np.float64)
   ok = bool(np.isfinite(v).all()) and v.size > 0
-  return {"mean": float(v.mean()) if ok else None,
-          "std": float(v.std(ddof=1)) if ok and v.size > 1 else (
-              0.0 if ok else None),
-          "n": int(v.size),
-          "values": [_finite_or_none(x) for x in v]}
+  return {
+    "mean": float(v.mean()) if ok else None,
+    "std": float(v.std(ddof=1)) if ok and v.size > 1 else (0.0 if ok else None),
+    "n": int(v.size),
+    "values": [_finite_or_none(x) for x in v],
+  }
 
 
-def _curve(values: np.ndarray, steps: Sequence[int],
-           max_points: int = 200) -> dict[str, list]:
+def _curve(
+  values: np.ndarray, steps: Sequence[int], max_points: int = 200
+) -> dict[str, list]:
   """Mean and std over seeds (axis 0) on at most ``max_points`` steps."""
   steps = np.asarray(steps)
-  idx = np.unique(np.linspace(0, len(steps) - 1,
-                              min(max_points, len(steps))).astype(int))
+  idx = np.unique(
+    np.linspace(0, len(steps) - 1, min(max_points, len(steps))).astype(int)
+  )
   with np.errstate(invalid="ignore"):
     mean = np.nanmean(values, 0)[idx]
     std = np.nanstd(values, 0)[idx]
-  return {"steps": [int(s) for s in steps[idx]],
-          "mean": [_finite_or_none(x) for x in mean],
-          "std": [_finite_or_none(x) for x in std]}
+  return {
+    "steps": [int(s) for s in steps[idx]],
+    "mean": [_finite_or_none(x) for x in mean],
+    "std": [_finite_or_none(x) for x in std],
+  }
 
 
-def steps_to_target(steps: Sequence[int], values: Sequence[float],
-                    target: float, mode: str) -> Optional[int]:
+def steps_to_target(
+  steps: Sequence[int], values: Sequence[float], target: float, mode: str
+) -> int | None:
   """The first step whose value reaches ``target`` (None if none does)."""
   values = np.asarray(values, np.float64)
   hit = (values <= target) if mode == "min" else (values >= target)
@@ -118,13 +127,13 @@ def steps_to_target(steps: Sequence[int], values: Sequence[float],
   return int(np.asarray(steps)[np.argmax(hit)]) if hit.any() else None
 
 
-def best_index(means: Sequence[Optional[float]]) -> Optional[int]:
+def best_index(means: Sequence[float | None]) -> int | None:
   """Index of the smallest finite mean (ties: the smaller learning rate)."""
   finite = [(m, i) for i, m in enumerate(means) if m is not None]
   return min(finite)[1] if finite else None
 
 
-def geomean(values: Sequence[float]) -> Optional[float]:
+def geomean(values: Sequence[float]) -> float | None:
   v = [x for x in values if x is not None]
   if not v or len(v) != len(values):
     return None
@@ -134,15 +143,27 @@ def geomean(values: Sequence[float]) -> Optional[float]:
 # ------------------------------------------------------------ measuring
 
 
-def sweep_task(task: problems_lib.Task, factory: Factory, seeds: Sequence[int],
-               steps: int, log=None, label: str = "",
-               heldout: bool = True) -> dict[str, Any]:
+def sweep_task(
+  task: problems_lib.Task,
+  factory: Factory,
+  seeds: Sequence[int],
+  steps: int,
+  log=None,
+  label: str = "",
+  heldout: bool = True,
+) -> dict[str, Any]:
   """Runs ``factory`` over ``task.lrs`` x ``seeds``; returns its summary
-  (``heldout=False``: without the held-out evaluations)."""
+  (``heldout=False``: without the held-out evaluations).
+  """
   start = time.perf_counter()
   fn, eval_steps = problems_lib.make_sweep(
-      task, factory, steps, explosion_norm=EXPLOSION_NORM,
-      vectorize=task.vectorize, heldout=heldout)
+    task,
+    factory,
+    steps,
+    explosion_norm=EXPLOSION_NORM,
+    vectorize=task.vectorize,
+    heldout=heldout,
+  )
   lrs = jnp.asarray(task.lrs, jnp.float32)
   out = jax.device_get(fn(lrs, problems_lib.seed_keys(seeds)))
   seconds = time.perf_counter() - start
@@ -151,16 +172,16 @@ def sweep_task(task: problems_lib.Task, factory: Factory, seeds: Sequence[int],
   means = [s["mean"] for s in by_lr]
   i = best_index(means)
   result: dict[str, Any] = {
-      "lrs": list(task.lrs),
-      "seeds": list(seeds),
-      "steps": steps,
-      "final_by_lr": by_lr,
-      "best_index": i,
-      "best_lr": None if i is None else task.lrs[i],
-      "best": by_lr[i] if i is not None else _stats([math.nan]),
-      "interior": i is not None and 0 < i < len(task.lrs) - 1,
-      "seconds": seconds,
-      "wall_per_run_s": seconds / (len(task.lrs) * len(seeds)),
+    "lrs": list(task.lrs),
+    "seeds": list(seeds),
+    "steps": steps,
+    "final_by_lr": by_lr,
+    "best_index": i,
+    "best_lr": None if i is None else task.lrs[i],
+    "best": by_lr[i] if i is not None else _stats([math.nan]),
+    "interior": i is not None and 0 < i < len(task.lrs) - 1,
+    "seconds": seconds,
+    "wall_per_run_s": seconds / (len(task.lrs) * len(seeds)),
   }
   if i is not None:
     steps_axis = np.arange(1, steps + 1)
@@ -169,10 +190,12 @@ def sweep_task(task: problems_lib.Task, factory: Factory, seeds: Sequence[int],
     result["grad_norm_mean"] = _stats(out["grad_norm_mean"][i])
     heldout = {}
     for key in sorted(k for k in out if k.startswith("eval/")):
-      name = key[len("eval/"):]
+      name = key[len("eval/") :]
       values = np.asarray(out[key][i], np.float64)  # [S, E]
-      heldout[name] = {"final": _stats(values[:, -1]),
-                       "curve": _curve(values, eval_steps)}
+      heldout[name] = {
+        "final": _stats(values[:, -1]),
+        "curve": _curve(values, eval_steps),
+      }
     if heldout:
       result["heldout"] = heldout
     if task.heldout_target is not None and task.heldout_target[0] in heldout:
@@ -180,18 +203,25 @@ def sweep_task(task: problems_lib.Task, factory: Factory, seeds: Sequence[int],
       values = np.asarray(out["eval/" + metric][i], np.float64)
       hits = [steps_to_target(eval_steps, row, value, mode) for row in values]
       result["steps_to_target"] = {
-          "metric": metric, "mode": mode, "target": value,
-          "values": hits, "reached": sum(h is not None for h in hits)}
+        "metric": metric,
+        "mode": mode,
+        "target": value,
+        "values": hits,
+        "reached": sum(h is not None for h in hits),
+      }
   if log:
     interior = "" if result["interior"] else "  (edge of the sweep)"
-    log(f"  {task.name:11s} {label:24s} best lr {result['best_lr']!s:7s} "
-        f"loss {_fmt(result['best']['mean'])} "
-        f"({seconds:.0f} s){interior}")
+    log(
+      f"  {task.name:11s} {label:24s} best lr {result['best_lr']!s:7s} "
+      f"loss {_fmt(result['best']['mean'])} "
+      f"({seconds:.0f} s){interior}"
+    )
   return result
 
 
-def ratio_table(tasks: Mapping[str, Mapping[str, Any]],
-                baseline: str = BASELINE) -> dict[str, Any]:
+def ratio_table(
+  tasks: Mapping[str, Mapping[str, Any]], baseline: str = BASELINE
+) -> dict[str, Any]:
   """``{optimizer: {"per_task", "geomean", "max", "worst_task"}}``.
 
   ``tasks[task]["results"][opt]["best"]["mean"]`` divided by the baseline's.
@@ -213,27 +243,35 @@ def ratio_table(tasks: Mapping[str, Mapping[str, Any]],
     finite = {k: v for k, v in per_task.items() if v is not None}
     worst = max(finite, key=finite.get) if finite else None
     table[opt] = {
-        "per_task": per_task,
-        "geomean": geomean(list(per_task.values())),
-        "max": (None if len(finite) != len(per_task) or not finite
-                else finite[worst]),
-        "worst_task": worst,
+      "per_task": per_task,
+      "geomean": geomean(list(per_task.values())),
+      "max": (
+        None if len(finite) != len(per_task) or not finite else finite[worst]
+      ),
+      "worst_task": worst,
     }
   return table
 
 
-def task_seeds(task: problems_lib.Task, quick: bool,
-               num_seeds: Optional[int] = None) -> list[int]:
+def task_seeds(
+  task: problems_lib.Task, quick: bool, num_seeds: int | None = None
+) -> list[int]:
   """Seeds 0.. of ``task``: ``num_seeds``, or the task's own count."""
   n = num_seeds or (task.quick_seeds if quick else task.seeds)
   return list(range(n))
 
 
-def run_suite(factories: Mapping[str, Factory],
-              task_names: Sequence[str], *, num_seeds: Optional[int] = None,
-              quick: bool = False, steps: Optional[int] = None,
-              descriptions: Optional[Mapping[str, str]] = None,
-              log=print, on_task=None) -> dict[str, Any]:
+def run_suite(
+  factories: Mapping[str, Factory],
+  task_names: Sequence[str],
+  *,
+  num_seeds: int | None = None,
+  quick: bool = False,
+  steps: int | None = None,
+  descriptions: Mapping[str, str] | None = None,
+  log=print,
+  on_task=None,
+) -> dict[str, Any]:
   """Measures every optimizer of ``factories`` on every task.
 
   Args:
@@ -253,21 +291,26 @@ def run_suite(factories: Mapping[str, Factory],
   """
   descriptions = {**DESCRIPTIONS, **(descriptions or {})}
   report = {
-      "meta": {
-          "date": time.strftime("%Y-%m-%d %H:%M"),
-          "device": f"{jax.devices()[0].device_kind} ({platform.machine()}, "
-                    f"{os.cpu_count()} cpus)",
-          "python": platform.python_version(), "jax": jax.__version__,
-          "optax": optax.__version__, "quick": quick,
-          "num_seeds": num_seeds,
-          "metric": (f"mean training loss over the last "
-                     f"{SMOOTH_FRACTION:.0%} of the steps, mean over seeds, "
-                     "best over the learning-rate sweep"),
-          "baseline": BASELINE, "schedule": "constant learning rate",
-          "explosion_norm": EXPLOSION_NORM,
-          "optimizers": {k: descriptions.get(k, k) for k in factories},
-      },
-      "tasks": {},
+    "meta": {
+      "date": time.strftime("%Y-%m-%d %H:%M"),
+      "device": f"{jax.devices()[0].device_kind} ({platform.machine()}, "
+      f"{os.cpu_count()} cpus)",
+      "python": platform.python_version(),
+      "jax": jax.__version__,
+      "optax": optax.__version__,
+      "quick": quick,
+      "num_seeds": num_seeds,
+      "metric": (
+        f"mean training loss over the last "
+        f"{SMOOTH_FRACTION:.0%} of the steps, mean over seeds, "
+        "best over the learning-rate sweep"
+      ),
+      "baseline": BASELINE,
+      "schedule": "constant learning rate",
+      "explosion_norm": EXPLOSION_NORM,
+      "optimizers": {k: descriptions.get(k, k) for k in factories},
+    },
+    "tasks": {},
   }
   start = time.perf_counter()
   for name in task_names:
@@ -275,13 +318,20 @@ def run_suite(factories: Mapping[str, Factory],
     task = problems_lib.TASKS[name]()
     budget = steps or (task.quick_steps if quick else task.steps)
     seeds = task_seeds(task, quick, num_seeds)
-    log(f"task {name}: {task.description}; {budget} steps, {len(seeds)} "
-        f"seeds, lrs {', '.join(f'{x:g}' for x in task.lrs)}")
-    entry = {"description": task.description, "steps": budget,
-             "seeds": seeds,
-             "lrs": list(task.lrs), "info": task.info,
-             "heldout_target": task.heldout_target,
-             "vectorized": task.vectorize, "results": {}}
+    log(
+      f"task {name}: {task.description}; {budget} steps, {len(seeds)} "
+      f"seeds, lrs {', '.join(f'{x:g}' for x in task.lrs)}"
+    )
+    entry = {
+      "description": task.description,
+      "steps": budget,
+      "seeds": seeds,
+      "lrs": list(task.lrs),
+      "info": task.info,
+      "heldout_target": task.heldout_target,
+      "vectorized": task.vectorize,
+      "results": {},
+    }
     report["tasks"][name] = entry
     for opt, factory in factories.items():
       entry["results"][opt] = sweep_task(task, factory, seeds, budget, log, opt)
@@ -331,12 +381,16 @@ def write_json(path: str, data: dict) -> None:
   os.replace(path + ".tmp", path)
 
 
-def ratio_markdown(tasks: Mapping[str, Any], ratios: Mapping[str, Any],
-                   columns: Sequence[str]) -> list[str]:
+def ratio_markdown(
+  tasks: Mapping[str, Any], ratios: Mapping[str, Any], columns: Sequence[str]
+) -> list[str]:
   """The table of best-loss ratios to Adam (tasks x optimizers)."""
-  lines = ["| task | Adam's best loss | " + " | ".join(
-      f"{c} / adam" for c in columns) + " |",
-           "|---|---|" + "---|" * len(columns)]
+  lines = [
+    "| task | Adam's best loss | "
+    + " | ".join(f"{c} / adam" for c in columns)
+    + " |",
+    "|---|---|" + "---|" * len(columns),
+  ]
   for name, task in tasks.items():
     base = task["results"].get(BASELINE, {}).get("best", {}).get("mean")
     cells = []
@@ -344,11 +398,20 @@ def ratio_markdown(tasks: Mapping[str, Any], ratios: Mapping[str, Any],
       r = ratios.get(c, {}).get("per_task", {}).get(name, "absent")
       cells.append("" if r == "absent" else _ratio(r))
     lines.append(f"| {name} | {_fmt(base)} | " + " | ".join(cells) + " |")
-  lines.append("| **geometric mean** | | " + " | ".join(
-      _ratio(ratios.get(c, {}).get("geomean")) for c in columns) + " |")
-  lines.append("| **max** | | " + " | ".join(
+  lines.append(
+    "| **geometric mean** | | "
+    + " | ".join(_ratio(ratios.get(c, {}).get("geomean")) for c in columns)
+    + " |"
+  )
+  lines.append(
+    "| **max** | | "
+    + " | ".join(
       f"{_ratio(ratios.get(c, {}).get('max'))} "
-      f"({ratios.get(c, {}).get('worst_task')})" for c in columns) + " |")
+      f"({ratios.get(c, {}).get('worst_task')})"
+      for c in columns
+    )
+    + " |"
+  )
   return lines
 
 
@@ -364,22 +427,32 @@ def convergence_markdown(report: dict) -> str:
   tasks = report["tasks"]
   cols = ratio_columns(report)
   lines = [
-      "# Convergence: GRPO and optax baselines at equal tuning", "",
-      f"Command: `{meta.get('command', '')}` ({meta['date']}, "
-      f"{meta['device']}, Python {meta['python']}, jax {meta['jax']}, optax "
-      f"{meta['optax']}); total {meta.get('total_seconds', 0):.0f} s.", "",
-      f"Metric: {meta['metric']} (a learning rate at which any seed "
-      f"diverged does not count). Seeds per task as stated; "
-      f"{meta['schedule']}; every optimizer gets the task's whole sweep, "
-      "seeds and budget.",
-      "",
-      "Optimizers: " + "; ".join(f"`{k}` = {v}" for k, v in
-                                 meta["optimizers"].items()) + ".", "",
-      "## Best loss relative to Adam's (lower is better)", ""]
+    "# Convergence: GRPO and optax baselines at equal tuning",
+    "",
+    f"Command: `{meta.get('command', '')}` ({meta['date']}, "
+    f"{meta['device']}, Python {meta['python']}, jax {meta['jax']}, optax "
+    f"{meta['optax']}); total {meta.get('total_seconds', 0):.0f} s.",
+    "",
+    f"Metric: {meta['metric']} (a learning rate at which any seed "
+    f"diverged does not count). Seeds per task as stated; "
+    f"{meta['schedule']}; every optimizer gets the task's whole sweep, "
+    "seeds and budget.",
+    "",
+    "Optimizers: "
+    + "; ".join(f"`{k}` = {v}" for k, v in meta["optimizers"].items())
+    + ".",
+    "",
+    "## Best loss relative to Adam's (lower is better)",
+    "",
+  ]
   lines += ratio_markdown(tasks, report["ratios"], cols)
-  lines += ["", "## Best learning rate (* = at the edge of the sweep)", "",
-            "| task | sweep | " + " | ".join(meta["optimizers"]) + " |",
-            "|---|---|" + "---|" * len(meta["optimizers"])]
+  lines += [
+    "",
+    "## Best learning rate (* = at the edge of the sweep)",
+    "",
+    "| task | sweep | " + " | ".join(meta["optimizers"]) + " |",
+    "|---|---|" + "---|" * len(meta["optimizers"]),
+  ]
   edges = []
   for name, task in tasks.items():
     cells = []
@@ -390,72 +463,108 @@ def convergence_markdown(report: dict) -> str:
         continue
       if not r["interior"]:
         edges.append(f"{opt} on {name}")
-      cells.append(f"{r['best_lr']:g}{'' if r['interior'] else '*'}"
-                   if r["best_lr"] is not None else "diverged")
+      cells.append(
+        f"{r['best_lr']:g}{'' if r['interior'] else '*'}"
+        if r["best_lr"] is not None
+        else "diverged"
+      )
     sweep = f"{task['lrs'][0]:g} .. {task['lrs'][-1]:g} ({len(task['lrs'])})"
     lines.append(f"| {name} | {sweep} | " + " | ".join(cells) + " |")
-  lines += ["", ("Every best learning rate is interior to its sweep." if not
-                 edges else "At the edge of the sweep: " + ", ".join(edges)
-                 + "."), ""]
+  lines += [
+    "",
+    (
+      "Every best learning rate is interior to its sweep."
+      if not edges
+      else "At the edge of the sweep: " + ", ".join(edges) + "."
+    ),
+    "",
+  ]
   for name, task in tasks.items():
-    lines += [f"## {name}", "", f"{task['description']}. {task['steps']} "
-              f"steps, seeds {task['seeds']}; cells: final loss (mean over "
-              "seeds) per learning rate, the best in bold; seconds for the "
-              f"task: {task.get('seconds', 0):.0f}.",
-              ""]
+    lines += [
+      f"## {name}",
+      "",
+      f"{task['description']}. {task['steps']} "
+      f"steps, seeds {task['seeds']}; cells: final loss (mean over "
+      "seeds) per learning rate, the best in bold; seconds for the "
+      f"task: {task.get('seconds', 0):.0f}.",
+      "",
+    ]
     lrs = task["lrs"]
-    lines += ["| optimizer | " + " | ".join(f"{x:g}" for x in lrs) +
-              " | explosion rate | s/run |",
-              "|---|" + "---|" * (len(lrs) + 2)]
+    lines += [
+      "| optimizer | "
+      + " | ".join(f"{x:g}" for x in lrs)
+      + " | explosion rate | s/run |",
+      "|---|" + "---|" * (len(lrs) + 2),
+    ]
     for opt, r in task["results"].items():
       cells = []
       for j, s in enumerate(r["final_by_lr"]):
         text = _fmt(s["mean"]) if s["mean"] is not None else "div."
         cells.append(f"**{text}**" if j == r["best_index"] else text)
       expl = r.get("explosion_rate", {}).get("mean")
-      lines.append(f"| {opt} | " + " | ".join(cells) +
-                   f" | {_fmt(expl)} | {r['wall_per_run_s']:.3g} |")
+      lines.append(
+        f"| {opt} | "
+        + " | ".join(cells)
+        + f" | {_fmt(expl)} | {r['wall_per_run_s']:.3g} |"
+      )
     held = [o for o, r in task["results"].items() if "heldout" in r]
     if held:
       metrics = list(task["results"][held[0]]["heldout"])
-      lines += ["", "Held-out metrics at the chosen learning rate (mean ± "
-                "std over seeds)" + (
-                    f"; steps to {task['heldout_target'][0]} "
-                    f"{'>=' if task['heldout_target'][1] == 'max' else '<='} "
-                    f"{task['heldout_target'][2]:.4g}"
-                    if task.get("heldout_target") else "") + ":", "",
-                "| optimizer | " + " | ".join(metrics) +
-                (" | steps to target |" if task.get("heldout_target")
-                 else " |"),
-                "|---|" + "---|" * (len(metrics) + bool(
-                    task.get("heldout_target")))]
+      lines += [
+        "",
+        "Held-out metrics at the chosen learning rate (mean ± "
+        "std over seeds)"
+        + (
+          f"; steps to {task['heldout_target'][0]} "
+          f"{'>=' if task['heldout_target'][1] == 'max' else '<='} "
+          f"{task['heldout_target'][2]:.4g}"
+          if task.get("heldout_target")
+          else ""
+        )
+        + ":",
+        "",
+        "| optimizer | "
+        + " | ".join(metrics)
+        + (" | steps to target |" if task.get("heldout_target") else " |"),
+        "|---|" + "---|" * (len(metrics) + bool(task.get("heldout_target"))),
+      ]
       for opt in held:
         r = task["results"][opt]
-        cells = [f"{_fmt(r['heldout'][m]['final']['mean'])} ± "
-                 f"{_fmt(r['heldout'][m]['final']['std'])}" for m in metrics]
+        cells = [
+          f"{_fmt(r['heldout'][m]['final']['mean'])} ± "
+          f"{_fmt(r['heldout'][m]['final']['std'])}"
+          for m in metrics
+        ]
         if task.get("heldout_target"):
           st = r.get("steps_to_target", {})
           vals = [v for v in st.get("values", []) if v is not None]
-          cells.append((f"{np.mean(vals):.0f} ({st['reached']}/"
-                        f"{len(st['values'])} seeds)") if vals else
-                       "not reached")
+          cells.append(
+            (f"{np.mean(vals):.0f} ({st['reached']}/{len(st['values'])} seeds)")
+            if vals
+            else "not reached"
+          )
         lines.append(f"| {opt} | " + " | ".join(cells) + " |")
     lines.append("")
-  lines += ["![loss curves at the best learning rate](convergence_curves.png)",
-            ""]
+  lines += [
+    "![loss curves at the best learning rate](convergence_curves.png)",
+    "",
+  ]
   return "\n".join(lines)
 
 
 def plot_curves(path: str, report: dict) -> None:
   """Training loss at each optimizer's best lr, one panel per task."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   tasks = report["tasks"]
   cols = 3
   rows = max(1, -(-len(tasks) // cols))
-  fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.4 * rows),
-                           squeeze=False)
+  fig, axes = plt.subplots(
+    rows, cols, figsize=(5 * cols, 3.4 * rows), squeeze=False
+  )
   for ax, (name, task) in zip(axes.ravel(), tasks.items()):
     for opt, r in task["results"].items():
       c = r.get("loss_curve")
@@ -465,14 +574,18 @@ def plot_curves(path: str, report: dict) -> None:
       # A running mean over ~2% of the steps, for readability.
       k = max(1, len(mean) // 50)
       smooth = np.convolve(mean, np.ones(k) / k, mode="valid")
-      ax.plot(c["steps"][k - 1:], smooth, lw=1.1,
-              label=f"{opt} (lr {r['best_lr']:g})")
+      ax.plot(
+        c["steps"][k - 1 :],
+        smooth,
+        lw=1.1,
+        label=f"{opt} (lr {r['best_lr']:g})",
+      )
     ax.set_yscale("log")
     ax.set_title(name, fontsize=9)
     ax.set_xlabel("step", fontsize=8)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=6)
-  for ax in axes.ravel()[len(tasks):]:
+  for ax in axes.ravel()[len(tasks) :]:
     ax.axis("off")
   fig.tight_layout()
   fig.savefig(path, dpi=100)
@@ -489,8 +602,12 @@ def save(out: str, report: dict, plot: bool = True) -> None:
 
 
 def print_ratios(report: dict) -> None:
-  print("\n".join(ratio_markdown(report["tasks"], report["ratios"],
-                                 ratio_columns(report))), flush=True)
+  print(
+    "\n".join(
+      ratio_markdown(report["tasks"], report["ratios"], ratio_columns(report))
+    ),
+    flush=True,
+  )
 
 
 # ------------------------------------------------------------------ main
@@ -503,7 +620,8 @@ def load_factories(spec: str) -> dict[str, Factory]:
     raise ValueError(f"--factory must be module:attribute, got {spec!r}")
   value = getattr(importlib.import_module(module), attr)
   if not isinstance(value, Mapping) or not all(
-      callable(f) for f in value.values()):
+    callable(f) for f in value.values()
+  ):
     raise TypeError(f"{spec} must be a dict of name -> callable(lr)")
   return dict(value)
 
@@ -516,52 +634,84 @@ def configure_cache(cache_dir: str) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      prog="python -m benchmarks.convergence",
-      description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="the tasks' short budgets (about half), written "
-                      "to benchmarks/results/quick unless --out is given")
-  parser.add_argument("--out", default=None,
-                      help="default: benchmarks/results (quick: "
-                      "benchmarks/results/quick)")
-  parser.add_argument("--tasks", default=",".join(problems_lib.TASKS),
-                      help="comma-separated subset of "
-                      f"{','.join(problems_lib.TASKS)}")
-  parser.add_argument("--optimizers", default=",".join(OPTIMIZERS),
-                      help="comma-separated subset (adam is always run: it "
-                      "is the reference)")
-  parser.add_argument("--factory", action="append", default=[],
-                      help="module:attribute of a dict name -> callable(lr) "
-                      "-> optax transform, added to the optimizers "
-                      "(repeatable)")
-  parser.add_argument("--seeds", type=int, default=None,
-                      help="number of seeds of every task (default: the "
-                      "task's own, 5 or 3; quick 3 or 2)")
-  parser.add_argument("--steps", type=int, default=None,
-                      help="override every task's step budget (tests)")
+    prog="python -m benchmarks.convergence", description=__doc__.splitlines()[0]
+  )
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help="the tasks' short budgets (about half), written "
+    "to benchmarks/results/quick unless --out is given",
+  )
+  parser.add_argument(
+    "--out",
+    default=None,
+    help="default: benchmarks/results (quick: benchmarks/results/quick)",
+  )
+  parser.add_argument(
+    "--tasks",
+    default=",".join(problems_lib.TASKS),
+    help=f"comma-separated subset of {','.join(problems_lib.TASKS)}",
+  )
+  parser.add_argument(
+    "--optimizers",
+    default=",".join(OPTIMIZERS),
+    help="comma-separated subset (adam is always run: it is the reference)",
+  )
+  parser.add_argument(
+    "--factory",
+    action="append",
+    default=[],
+    help="module:attribute of a dict name -> callable(lr) "
+    "-> optax transform, added to the optimizers "
+    "(repeatable)",
+  )
+  parser.add_argument(
+    "--seeds",
+    type=int,
+    default=None,
+    help="number of seeds of every task (default: the "
+    "task's own, 5 or 3; quick 3 or 2)",
+  )
+  parser.add_argument(
+    "--steps",
+    type=int,
+    default=None,
+    help="override every task's step budget (tests)",
+  )
   parser.add_argument("--no-plot", action="store_true")
-  parser.add_argument("--render-only", action="store_true",
-                      help="only rewrite the Markdown and PNG from the JSON "
-                      "in --out")
-  parser.add_argument("--cache-dir", default=os.path.join(
-      tempfile.gettempdir(), "grpo_optax_benchmark_jax_cache"),
-                      help="persistent XLA compilation cache ('' = off)")
+  parser.add_argument(
+    "--render-only",
+    action="store_true",
+    help="only rewrite the Markdown and PNG from the JSON in --out",
+  )
+  parser.add_argument(
+    "--cache-dir",
+    default=os.path.join(
+      tempfile.gettempdir(), "grpo_optax_benchmark_jax_cache"
+    ),
+    help="persistent XLA compilation cache ('' = off)",
+  )
   args = parser.parse_args(argv)
   args.tasks = [t for t in args.tasks.split(",") if t]
   bad = set(args.tasks) - set(problems_lib.TASKS)
   if bad:
-    parser.error(f"unknown tasks {sorted(bad)}; choose from "
-                 f"{list(problems_lib.TASKS)}")
+    parser.error(
+      f"unknown tasks {sorted(bad)}; choose from {list(problems_lib.TASKS)}"
+    )
   args.optimizers = [o for o in args.optimizers.split(",") if o]
   if args.out is None:
-    args.out = os.path.join("benchmarks", "results",
-                            "quick" if args.quick else "")
+    args.out = os.path.join(
+      "benchmarks", "results", "quick" if args.quick else ""
+    )
     args.out = args.out.rstrip(os.sep)
   return args
 
 
-def main(argv=None, factories: Optional[Mapping[str, Factory]] = None,
-         descriptions: Optional[Mapping[str, str]] = None) -> dict:
+def main(
+  argv=None,
+  factories: Mapping[str, Factory] | None = None,
+  descriptions: Mapping[str, str] | None = None,
+) -> dict:
   """Runs the suite; returns the report.
 
   Args:
@@ -585,8 +735,9 @@ def main(argv=None, factories: Optional[Mapping[str, Factory]] = None,
   known = {**OPTIMIZERS, **extra}
   bad = set(args.optimizers) - set(known)
   if bad:
-    raise SystemExit(f"unknown optimizers {sorted(bad)}; choose from "
-                     f"{sorted(known)}")
+    raise SystemExit(
+      f"unknown optimizers {sorted(bad)}; choose from {sorted(known)}"
+    )
   names = [BASELINE] + [o for o in args.optimizers if o != BASELINE]
   names += [o for o in extra if o not in names]
   chosen = {n: known[n] for n in names}
@@ -598,16 +749,23 @@ def main(argv=None, factories: Optional[Mapping[str, Factory]] = None,
     report["meta"]["command"] = command.strip()
     save(args.out, report, plot=False)
 
-  report = run_suite(chosen, args.tasks, num_seeds=args.seeds,
-                     quick=args.quick, steps=args.steps,
-                     descriptions={**{k: k for k in extra},
-                                   **(descriptions or {})},
-                     log=log, on_task=checkpoint)
+  report = run_suite(
+    chosen,
+    args.tasks,
+    num_seeds=args.seeds,
+    quick=args.quick,
+    steps=args.steps,
+    descriptions={**{k: k for k in extra}, **(descriptions or {})},
+    log=log,
+    on_task=checkpoint,
+  )
   report["meta"]["command"] = command.strip()
   save(args.out, report, plot=not args.no_plot)
   print_ratios(report)
-  log(f"done; wrote {args.out}/convergence.json, .md"
-      + ("" if args.no_plot else ", convergence_curves.png"))
+  log(
+    f"done; wrote {args.out}/convergence.json, .md"
+    + ("" if args.no_plot else ", convergence_curves.png")
+  )
   return report
 
 

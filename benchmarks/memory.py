@@ -34,7 +34,8 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,43 +43,66 @@ import numpy as np
 import optax
 
 import grpo_optax
+from benchmarks import step_time
 from grpo_optax import quantization
 from grpo_optax import training
-from benchmarks import step_time
 
 
 def _adam_chain(lr, **formats):
   return optax.chain(
-      optax.clip_by_global_norm(1.0),
-      grpo_optax.scale_by_nesterov_adam_rms(adam_weight=1.0, **formats),
-      optax.scale_by_learning_rate(lr))
+    optax.clip_by_global_norm(1.0),
+    grpo_optax.scale_by_nesterov_adam_rms(adam_weight=1.0, **formats),
+    optax.scale_by_learning_rate(lr),
+  )
 
 
 # name -> callable(lr) -> tx. The first entry is the baseline of every ratio.
 FACTORIES: dict[str, Callable[[float], optax.GradientTransformation]] = {
-    "adam_fp32": _adam_chain,
-    "adam_bf16": lambda lr: _adam_chain(lr, mu_format="bfloat16",
-                                        nu_format="bfloat16"),
-    "adam_int8": lambda lr: _adam_chain(lr, mu_format="int8",
-                                        nu_format="uint8"),
-    # The preset with its defaults (sampled top-k with an fp32 accumulator),
-    # and with Adam's moments in 8 bits.
-    "grpo_fp32": lambda lr: grpo_optax.grpo(lr),
-    "grpo_int8": lambda lr: grpo_optax.grpo(lr, mu_format="int8",
-                                            nu_format="uint8"),
+  "adam_fp32": _adam_chain,
+  "adam_bf16": lambda lr: _adam_chain(
+    lr, mu_format="bfloat16", nu_format="bfloat16"
+  ),
+  "adam_int8": lambda lr: _adam_chain(lr, mu_format="int8", nu_format="uint8"),
+  # The preset with its defaults (sampled top-k with an fp32 accumulator),
+  # and with Adam's moments in 8 bits.
+  "grpo_fp32": lambda lr: grpo_optax.grpo(lr),
+  "grpo_int8": lambda lr: grpo_optax.grpo(
+    lr, mu_format="int8", nu_format="uint8"
+  ),
 }
 BASELINE = "adam_fp32"
 
 # GPT-2 small's width and vocabulary; depth 10 is ~150M parameters (article
 # 000's baseline model). Dry run: the same code at toy sizes.
-FULL = dict(vocab=50257, seq=256, d=768, batch=1, ref_depth=10,
-            codec_d=128, codec_depth=2, codec_steps=300, time_params=2e7)
-DRY = dict(vocab=256, seq=16, d=64, batch=2, ref_depth=2,
-           codec_d=32, codec_depth=2, codec_steps=20, time_params=2e5)
+FULL = dict(
+  vocab=50257,
+  seq=256,
+  d=768,
+  batch=1,
+  ref_depth=10,
+  codec_d=128,
+  codec_depth=2,
+  codec_steps=300,
+  time_params=2e7,
+)
+DRY = dict(
+  vocab=256,
+  seq=16,
+  d=64,
+  batch=2,
+  ref_depth=2,
+  codec_d=32,
+  codec_depth=2,
+  codec_steps=20,
+  time_params=2e5,
+)
 
 # Peak HBM bandwidth (GB/s) by jax device_kind, for the fraction reached.
-PEAK_GBPS = {"NVIDIA H200": 4800.0, "NVIDIA H100 80GB HBM3": 3350.0,
-             "NVIDIA A100-SXM4-80GB": 2039.0}
+PEAK_GBPS = {
+  "NVIDIA H200": 4800.0,
+  "NVIDIA H100 80GB HBM3": 3350.0,
+  "NVIDIA A100-SXM4-80GB": 2039.0,
+}
 
 
 # --------------------------------------------------------------------------
@@ -118,17 +142,25 @@ def gpt_params(key, vocab, seq, d, depth) -> training.StackedParams:
   k = jax.random.split(key, 7)
   n = lambda i, shape, fan: jax.random.normal(k[i], shape) / np.sqrt(fan)
   return training.StackedParams(
-      embed={"tok": n(0, (vocab, d), 50.0), "pos": n(1, (seq, d), 50.0)},
-      layers={"ln1": jnp.ones((depth, d)), "qkv": n(2, (depth, d, 3 * d), d),
-              "proj": n(3, (depth, d, d), d * 2 * depth),
-              "ln2": jnp.ones((depth, d)), "fc1": n(4, (depth, d, 4 * d), d),
-              "fc2": n(5, (depth, 4 * d, d), 4 * d * 2 * depth)},
-      head={"ln": jnp.ones((d,)), "out": n(6, (d, vocab), d)})
+    embed={"tok": n(0, (vocab, d), 50.0), "pos": n(1, (seq, d), 50.0)},
+    layers={
+      "ln1": jnp.ones((depth, d)),
+      "qkv": n(2, (depth, d, 3 * d), d),
+      "proj": n(3, (depth, d, d), d * 2 * depth),
+      "ln2": jnp.ones((depth, d)),
+      "fc1": n(4, (depth, d, 4 * d), d),
+      "fc2": n(5, (depth, 4 * d, d), 4 * d * 2 * depth),
+    },
+    head={"ln": jnp.ones((d,)), "out": n(6, (d, vocab), d)},
+  )
 
 
 def gpt_shapes(cfg, depth):
-  return jax.eval_shape(lambda: gpt_params(jax.random.key(0), cfg["vocab"],
-                                           cfg["seq"], cfg["d"], depth))
+  return jax.eval_shape(
+    lambda: gpt_params(
+      jax.random.key(0), cfg["vocab"], cfg["seq"], cfg["d"], depth
+    )
+  )
 
 
 def num_params(tree) -> int:
@@ -138,8 +170,12 @@ def num_params(tree) -> int:
 def peak_bytes(jitted, *args) -> int:
   """Arguments + outputs - donated (aliased) + temporaries of the compiled step."""
   m = jitted.lower(*args).compile().memory_analysis()
-  return int(m.argument_size_in_bytes + m.output_size_in_bytes
-             - m.alias_size_in_bytes + m.temp_size_in_bytes)
+  return int(
+    m.argument_size_in_bytes
+    + m.output_size_in_bytes
+    - m.alias_size_in_bytes
+    + m.temp_size_in_bytes
+  )
 
 
 def step_peak(cfg, depth, tx, layerwise: bool) -> int:
@@ -147,13 +183,19 @@ def step_peak(cfg, depth, tx, layerwise: bool) -> int:
   params = gpt_shapes(cfg, depth)
   tokens = jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"] + 1), jnp.int32)
   if layerwise:
-    fused = training.layerwise_train_step(gpt_embed, gpt_layer, gpt_head, tx,
-                                          max_norm=1.0)
-    return peak_bytes(fused.step, params, jax.eval_shape(fused.init, params),
-                      tokens)
+    fused = training.layerwise_train_step(
+      gpt_embed, gpt_layer, gpt_head, tx, max_norm=1.0
+    )
+    return peak_bytes(
+      fused.step, params, jax.eval_shape(fused.init, params), tokens
+    )
   loss_fn = training.stacked_loss_fn(gpt_embed, gpt_layer, gpt_head)
-  return peak_bytes(training.train_step(loss_fn, tx), params,
-                    jax.eval_shape(tx.init, params), tokens)
+  return peak_bytes(
+    training.train_step(loss_fn, tx),
+    params,
+    jax.eval_shape(tx.init, params),
+    tokens,
+  )
 
 
 # --------------------------------------------------------------------------
@@ -177,13 +219,18 @@ def peak_section(cfg) -> list[dict]:
     for layerwise in (False, True):
       peak = step_peak(cfg, cfg["ref_depth"], make(1e-3), layerwise)
       rows.append(dict(optimizer=name, layerwise=layerwise, peak_bytes=peak))
-  base = next(r["peak_bytes"] for r in rows
-              if r["optimizer"] == BASELINE and not r["layerwise"])
+  base = next(
+    r["peak_bytes"]
+    for r in rows
+    if r["optimizer"] == BASELINE and not r["layerwise"]
+  )
   for r in rows:
     r["ratio_to_adam"] = round(r["peak_bytes"] / base, 4)
-    print(f"peak   {r['optimizer']:>12s} layerwise={r['layerwise']!s:5s} "
-          f"{r['peak_bytes'] / 2**20:9.1f} MiB  x{r['ratio_to_adam']:.3f}",
-          flush=True)
+    print(
+      f"peak   {r['optimizer']:>12s} layerwise={r['layerwise']!s:5s} "
+      f"{r['peak_bytes'] / 2**20:9.1f} MiB  x{r['ratio_to_adam']:.3f}",
+      flush=True,
+    )
   return rows
 
 
@@ -196,25 +243,45 @@ def capacity_section(cfg, peaks: list[dict]) -> dict[str, Any]:
   then the step at that depth is compiled to check that it fits.
   """
   ref = cfg["ref_depth"]
-  budget = next(r["peak_bytes"] for r in peaks
-                if r["optimizer"] == BASELINE and not r["layerwise"])
+  budget = next(
+    r["peak_bytes"]
+    for r in peaks
+    if r["optimizer"] == BASELINE and not r["layerwise"]
+  )
   base_n = num_params(gpt_shapes(cfg, ref))
   rows = []
   for r in peaks:
     tx = FACTORIES[r["optimizer"]](1e-3)
-    slope = (step_peak(cfg, 2 * ref, tx, r["layerwise"]) - r["peak_bytes"]) / ref
+    slope = (
+      step_peak(cfg, 2 * ref, tx, r["layerwise"]) - r["peak_bytes"]
+    ) / ref
     depth = ref + math.floor((budget - r["peak_bytes"]) / slope)
     check = step_peak(cfg, depth, tx, r["layerwise"])
     n = num_params(gpt_shapes(cfg, depth))
-    rows.append(dict(optimizer=r["optimizer"], layerwise=r["layerwise"],
-                     depth=depth, n_params=n, capacity_ratio=round(n / base_n, 3),
-                     bytes_per_layer=int(slope), peak_at_depth=check,
-                     fits=check <= budget))
-    print(f"fits   {r['optimizer']:>12s} layerwise={r['layerwise']!s:5s} depth "
-          f"{depth:3d} {n / 1e6:8.1f}M params  x{n / base_n:.2f} "
-          f"(checked: {check <= budget})", flush=True)
-  return {"budget_bytes": budget, "ref_depth": ref, "ref_params": base_n,
-          "rows": rows}
+    rows.append(
+      dict(
+        optimizer=r["optimizer"],
+        layerwise=r["layerwise"],
+        depth=depth,
+        n_params=n,
+        capacity_ratio=round(n / base_n, 3),
+        bytes_per_layer=int(slope),
+        peak_at_depth=check,
+        fits=check <= budget,
+      )
+    )
+    print(
+      f"fits   {r['optimizer']:>12s} layerwise={r['layerwise']!s:5s} depth "
+      f"{depth:3d} {n / 1e6:8.1f}M params  x{n / base_n:.2f} "
+      f"(checked: {check <= budget})",
+      flush=True,
+    )
+  return {
+    "budget_bytes": budget,
+    "ref_depth": ref,
+    "ref_params": base_n,
+    "rows": rows,
+  }
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -237,10 +304,12 @@ def markov_tokens(key, vocab, batch, seq):
 def train_decoder(cfg, tx, steps, seed=0):
   """Trains the small decoder; returns (final losses, params, opt_state)."""
   vocab, seq = 256, 32
-  params = gpt_params(jax.random.key(seed), vocab, seq, cfg["codec_d"],
-                      cfg["codec_depth"])
+  params = gpt_params(
+    jax.random.key(seed), vocab, seq, cfg["codec_d"], cfg["codec_depth"]
+  )
   step = training.train_step(
-      training.stacked_loss_fn(gpt_embed, gpt_layer, gpt_head), tx)
+    training.stacked_loss_fn(gpt_embed, gpt_layer, gpt_head), tx
+  )
   state = tx.init(params)
   losses = []
   for i in range(steps):
@@ -251,37 +320,52 @@ def train_decoder(cfg, tx, steps, seed=0):
 
 
 def _rel(a, b) -> float:
-  num = sum(float(jnp.sum((x - y) ** 2)) for x, y in
-            zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-  den = sum(float(jnp.sum(y ** 2)) for y in jax.tree.leaves(b))
+  num = sum(
+    float(jnp.sum((x - y) ** 2))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
+  den = sum(float(jnp.sum(y**2)) for y in jax.tree.leaves(b))
   return math.sqrt(num / max(den, 1e-30))
 
 
 def codec_errors(mu, nu, count) -> list[dict]:
   """Relative RMS error of stored moments and of Adam's direction."""
-  bc1, bc2 = 1 - 0.9 ** count, 1 - 0.999 ** count
+  bc1, bc2 = 1 - 0.9**count, 1 - 0.999**count
   direction = lambda m, v: jax.tree.map(
-      lambda a, b: (a / bc1) / (jnp.sqrt(b / bc2) + 1e-8), m, v)
+    lambda a, b: (a / bc1) / (jnp.sqrt(b / bc2) + 1e-8), m, v
+  )
   exact = direction(mu, nu)
   candidates = [("bfloat16", {}, "bfloat16", {})]
   candidates += [("int8", dict(power=p), None, {}) for p in (1, 2, 3, 4)]
   candidates += [(None, {}, "uint8", dict(power=p)) for p in (1, 2, 3, 4, 5)]
-  candidates += [("int8", dict(block_size=b), "uint8", dict(block_size=b))
-                 for b in (64, 256, 1024, 2048)]
+  candidates += [
+    ("int8", dict(block_size=b), "uint8", dict(block_size=b))
+    for b in (64, 256, 1024, 2048)
+  ]
   rows = []
   for mf, mkw, nf, nkw in candidates:
     fm = mf and quantization.state_format(mf, **mkw)
     fn = nf and quantization.state_format(nf, **nkw)
-    rt = lambda f, t: t if not f else jax.jit(
-        lambda x: quantization.tree_decode(f, quantization.tree_encode(f, x)))(t)
+    rt = lambda f, t: (
+      t
+      if not f
+      else jax.jit(
+        lambda x: quantization.tree_decode(f, quantization.tree_encode(f, x))
+      )(t)
+    )
     m2, v2 = rt(fm, mu), rt(fn, nu)
-    rows.append(dict(
+    rows.append(
+      dict(
         mu_format=fm and f"{fm.name}(p={fm.power},B={fm.block_size})",
         nu_format=fn and f"{fn.name}(p={fn.power},B={fn.block_size})",
-        mu_rel_err=round(_rel(m2, mu), 5), nu_rel_err=round(_rel(v2, nu), 5),
-        direction_rel_err=round(_rel(direction(m2, v2), exact), 5)))
-    print("codec  " + "  ".join(f"{k}={v}" for k, v in rows[-1].items()),
-          flush=True)
+        mu_rel_err=round(_rel(m2, mu), 5),
+        nu_rel_err=round(_rel(v2, nu), 5),
+        direction_rel_err=round(_rel(direction(m2, v2), exact), 5),
+      )
+    )
+    print(
+      "codec  " + "  ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True
+    )
   return rows
 
 
@@ -294,31 +378,40 @@ def codec_section(cfg) -> dict[str, Any]:
   for name, make in FACTORIES.items():
     losses, _, _ = train_decoder(cfg, make(1e-3), steps)
     final[name] = round(float(np.mean(losses[-20:])), 5)
-    print(f"train  {name:>12s} mean loss of the last 20 of {steps} steps "
-          f"{final[name]:.4f}", flush=True)
+    print(
+      f"train  {name:>12s} mean loss of the last 20 of {steps} steps "
+      f"{final[name]:.4f}",
+      flush=True,
+    )
   return {"steps": steps, "errors": errors, "final_loss": final}
 
 
-def time_section(n_params: float, rounds: int, iters: int,
-                 peak_gbps: float | None) -> list[dict]:
+def time_section(
+  n_params: float, rounds: int, iters: int, peak_gbps: float | None
+) -> list[dict]:
   """Update + apply time of every factory, interleaved in one process."""
   shapes = step_time.transformer_tree(n_params)
   keys = jax.random.split(jax.random.key(0), len(jax.tree.leaves(shapes)))
-  grads = jax.tree.structure(shapes).unflatten([
+  grads = jax.tree.structure(shapes).unflatten(
+    [
       1e-2 * jax.random.normal(k, s.shape, s.dtype)
-      for k, s in zip(keys, jax.tree.leaves(shapes))])
+      for k, s in zip(keys, jax.tree.leaves(shapes))
+    ]
+  )
   runs = {}
   for name, make in FACTORIES.items():
     tx = make(1e-3)
     params = jax.tree.map(lambda g: jnp.full_like(g, 0.02), grads)
     state = tx.init(params)
-    nbytes = (3 * quantization.tree_bytes(params) + 2 *
-              quantization.tree_bytes(state))
+    nbytes = 3 * quantization.tree_bytes(params) + 2 * quantization.tree_bytes(
+      state
+    )
     stepf = step_time._make_step(tx)  # pylint: disable=protected-access
     params, state = stepf(params, state, grads)
     jax.block_until_ready(params)
-    runs[name] = dict(step=stepf, params=params, state=state, times=[],
-                      bytes=nbytes)
+    runs[name] = dict(
+      step=stepf, params=params, state=state, times=[], bytes=nbytes
+    )
   step_time._time_interleaved(list(runs.values()), grads, rounds, iters)  # pylint: disable=protected-access
   n = num_params(grads)
   base = statistics.median(runs[BASELINE]["times"])
@@ -326,14 +419,23 @@ def time_section(n_params: float, rounds: int, iters: int,
   for name, r in runs.items():
     s = statistics.median(r["times"])
     gbps = r["bytes"] / s / 1e9
-    rows.append(dict(optimizer=name, n_params=n, median_ms=round(s * 1e3, 3),
-                     ratio_to_adam=round(s / base, 3),
-                     bytes_per_step=int(r["bytes"]), achieved_gbps=round(gbps, 1),
-                     hbm_fraction=(round(gbps / peak_gbps, 3) if peak_gbps
-                                   else None)))
-    print(f"time   {name:>12s} {s * 1e3:9.3f} ms  x{s / base:.3f}  "
-          f"{gbps:7.1f} GB/s" + (f" ({gbps / peak_gbps:.1%} of peak)"
-                                 if peak_gbps else ""), flush=True)
+    rows.append(
+      dict(
+        optimizer=name,
+        n_params=n,
+        median_ms=round(s * 1e3, 3),
+        ratio_to_adam=round(s / base, 3),
+        bytes_per_step=int(r["bytes"]),
+        achieved_gbps=round(gbps, 1),
+        hbm_fraction=(round(gbps / peak_gbps, 3) if peak_gbps else None),
+      )
+    )
+    print(
+      f"time   {name:>12s} {s * 1e3:9.3f} ms  x{s / base:.3f}  "
+      f"{gbps:7.1f} GB/s"
+      + (f" ({gbps / peak_gbps:.1%} of peak)" if peak_gbps else ""),
+      flush=True,
+    )
   return rows
 
 
@@ -347,58 +449,97 @@ def _gb(x: float) -> str:
 
 def to_markdown(res: dict[str, Any]) -> str:
   meta = res["meta"]
-  out = [f"# Optimizer-state memory ({meta['device']}, {meta['date']})", "",
-         f"Command: `{meta['command']}`", ""]
+  out = [
+    f"# Optimizer-state memory ({meta['device']}, {meta['date']})",
+    "",
+    f"Command: `{meta['command']}`",
+    "",
+  ]
   if "state" in res:
     s = res["state"]
-    out += [f"## State bytes per parameter ({s['n_params'] / 1e6:.1f}M-param "
-            "decoder)", "", "| optimizer | bytes/param |", "|---|---|"]
+    out += [
+      f"## State bytes per parameter ({s['n_params'] / 1e6:.1f}M-param "
+      "decoder)",
+      "",
+      "| optimizer | bytes/param |",
+      "|---|---|",
+    ]
     out += [f"| {k} | {v:.3f} |" for k, v in s["bytes_per_param"].items()]
     out.append("")
   if "peak" in res:
-    out += ["## Peak bytes of a training step (XLA memory_analysis)", "",
-            f"Decoder: {meta['config']}, depth {meta['config']['ref_depth']}.",
-            "", "| optimizer | layer-wise | peak | x Adam's donated step |",
-            "|---|---|---|---|"]
-    out += [f"| {r['optimizer']} | {r['layerwise']} | {_gb(r['peak_bytes'])} | "
-            f"{r['ratio_to_adam']:.3f} |" for r in res["peak"]]
+    out += [
+      "## Peak bytes of a training step (XLA memory_analysis)",
+      "",
+      f"Decoder: {meta['config']}, depth {meta['config']['ref_depth']}.",
+      "",
+      "| optimizer | layer-wise | peak | x Adam's donated step |",
+      "|---|---|---|---|",
+    ]
+    out += [
+      f"| {r['optimizer']} | {r['layerwise']} | {_gb(r['peak_bytes'])} | "
+      f"{r['ratio_to_adam']:.3f} |"
+      for r in res["peak"]
+    ]
     out.append("")
   if "capacity" in res:
     c = res["capacity"]
-    out += ["## Largest decoder within Adam's budget", "",
-            f"Budget: {_gb(c['budget_bytes'])}, the peak of {BASELINE}'s "
-            f"donated step at depth {c['ref_depth']} "
-            f"({c['ref_params'] / 1e6:.1f}M params).", "",
-            "| optimizer | layer-wise | MiB per layer | depth | params | "
-            "x params | compiled peak at that depth fits |",
-            "|---|---|---|---|---|---|---|"]
-    out += [f"| {r['optimizer']} | {r['layerwise']} | "
-            f"{r['bytes_per_layer'] / 2**20:.1f} | {r['depth']} | "
-            f"{r['n_params'] / 1e6:.1f}M | {r['capacity_ratio']:.2f} | "
-            f"{r['fits']} |" for r in c["rows"]]
+    out += [
+      "## Largest decoder within Adam's budget",
+      "",
+      f"Budget: {_gb(c['budget_bytes'])}, the peak of {BASELINE}'s "
+      f"donated step at depth {c['ref_depth']} "
+      f"({c['ref_params'] / 1e6:.1f}M params).",
+      "",
+      "| optimizer | layer-wise | MiB per layer | depth | params | "
+      "x params | compiled peak at that depth fits |",
+      "|---|---|---|---|---|---|---|",
+    ]
+    out += [
+      f"| {r['optimizer']} | {r['layerwise']} | "
+      f"{r['bytes_per_layer'] / 2**20:.1f} | {r['depth']} | "
+      f"{r['n_params'] / 1e6:.1f}M | {r['capacity_ratio']:.2f} | "
+      f"{r['fits']} |"
+      for r in c["rows"]
+    ]
     out.append("")
   if "codec" in res:
     c = res["codec"]
-    out += [f"## Codec error on Adam moments ({c['steps']} Adam steps)", "",
-            "| mu format | nu format | mu rel. err | nu rel. err | "
-            "Adam direction rel. err |", "|---|---|---|---|---|"]
-    out += [f"| {r['mu_format'] or 'fp32'} | {r['nu_format'] or 'fp32'} | "
-            f"{r['mu_rel_err']:.4f} | {r['nu_rel_err']:.4f} | "
-            f"{r['direction_rel_err']:.4f} |" for r in c["errors"]]
+    out += [
+      f"## Codec error on Adam moments ({c['steps']} Adam steps)",
+      "",
+      "| mu format | nu format | mu rel. err | nu rel. err | "
+      "Adam direction rel. err |",
+      "|---|---|---|---|---|",
+    ]
+    out += [
+      f"| {r['mu_format'] or 'fp32'} | {r['nu_format'] or 'fp32'} | "
+      f"{r['mu_rel_err']:.4f} | {r['nu_rel_err']:.4f} | "
+      f"{r['direction_rel_err']:.4f} |"
+      for r in c["errors"]
+    ]
     if c.get("final_loss"):
-      out += ["", "| optimizer | final loss (mean of last 20 steps) |",
-              "|---|---|"]
+      out += [
+        "",
+        "| optimizer | final loss (mean of last 20 steps) |",
+        "|---|---|",
+      ]
       out += [f"| {k} | {v:.4f} |" for k, v in c["final_loss"].items()]
     out.append("")
   if "time" in res:
-    out += ["## Update + apply time (interleaved, one process)", "",
-            "| optimizer | params | median ms | x Adam fp32 | GB/s | "
-            "fraction of peak HBM |", "|---|---|---|---|---|---|"]
-    out += [f"| {r['optimizer']} | {r['n_params'] / 1e6:.0f}M | "
-            f"{r['median_ms']:.2f} | {r['ratio_to_adam']:.3f} | "
-            f"{r['achieved_gbps']:.1f} | "
-            f"{'' if r['hbm_fraction'] is None else r['hbm_fraction']} |"
-            for r in res["time"]]
+    out += [
+      "## Update + apply time (interleaved, one process)",
+      "",
+      "| optimizer | params | median ms | x Adam fp32 | GB/s | "
+      "fraction of peak HBM |",
+      "|---|---|---|---|---|---|",
+    ]
+    out += [
+      f"| {r['optimizer']} | {r['n_params'] / 1e6:.0f}M | "
+      f"{r['median_ms']:.2f} | {r['ratio_to_adam']:.3f} | "
+      f"{r['achieved_gbps']:.1f} | "
+      f"{'' if r['hbm_fraction'] is None else r['hbm_fraction']} |"
+      for r in res["time"]
+    ]
     out.append("")
   return "\n".join(out)
 
@@ -408,14 +549,21 @@ SECTIONS = ("state", "peak", "capacity", "codec", "time")
 
 def main(argv=None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--dry-run", action="store_true",
-                      help="tiny sizes, same code paths (seconds on a CPU)")
+  parser.add_argument(
+    "--dry-run",
+    action="store_true",
+    help="tiny sizes, same code paths (seconds on a CPU)",
+  )
   parser.add_argument("--sections", default=",".join(SECTIONS))
   parser.add_argument("--time-params", type=float, default=None)
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--iters", type=int, default=5)
-  parser.add_argument("--peak-gbps", type=float, default=None,
-                      help="peak memory bandwidth (default: by device kind)")
+  parser.add_argument(
+    "--peak-gbps",
+    type=float,
+    default=None,
+    help="peak memory bandwidth (default: by device kind)",
+  )
   parser.add_argument("--out", default="benchmarks/results")
   parser.add_argument("--name", default="memory", help="output file stem")
   args = parser.parse_args(argv)
@@ -425,21 +573,30 @@ def main(argv=None) -> dict[str, Any]:
   if unknown:
     parser.error(f"--sections: unknown {sorted(unknown)}; allowed {SECTIONS}")
   kind = jax.devices()[0].device_kind
-  res: dict[str, Any] = {"meta": dict(
+  res: dict[str, Any] = {
+    "meta": dict(
       device=f"{kind} ({platform.machine()}, {os.cpu_count()} cpus)",
-      jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+      jax=jax.__version__,
+      date=time.strftime("%Y-%m-%d"),
       command="python -m benchmarks.memory " + " ".join(argv or []),
       config={k: cfg[k] for k in ("vocab", "seq", "d", "batch", "ref_depth")},
-      block_size=quantization.DEFAULT_BLOCK_SIZE)}
+      block_size=quantization.DEFAULT_BLOCK_SIZE,
+    )
+  }
   runners = {
-      "state": lambda: state_section(cfg),
-      "peak": lambda: peak_section(cfg),
-      "capacity": lambda: capacity_section(
-          cfg, res.get("peak") or peak_section(cfg)),
-      "codec": lambda: codec_section(cfg),
-      "time": lambda: time_section(
-          args.time_params or cfg["time_params"], args.rounds, args.iters,
-          args.peak_gbps or PEAK_GBPS.get(kind))}
+    "state": lambda: state_section(cfg),
+    "peak": lambda: peak_section(cfg),
+    "capacity": lambda: capacity_section(
+      cfg, res.get("peak") or peak_section(cfg)
+    ),
+    "codec": lambda: codec_section(cfg),
+    "time": lambda: time_section(
+      args.time_params or cfg["time_params"],
+      args.rounds,
+      args.iters,
+      args.peak_gbps or PEAK_GBPS.get(kind),
+    ),
+  }
   for name in sections:
     res[name] = runners[name]()
   os.makedirs(args.out, exist_ok=True)
@@ -454,4 +611,5 @@ def main(argv=None) -> dict[str, Any]:
 
 if __name__ == "__main__":
   import sys  # pylint: disable=g-import-not-at-top
+
   main(sys.argv[1:])

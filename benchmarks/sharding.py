@@ -36,8 +36,9 @@ import os
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
-                             + _FLAG).strip()
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " " + _FLAG
+  ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -46,7 +47,8 @@ import json
 import math
 import pathlib
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -65,32 +67,34 @@ AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 # name -> (shape at full size, spec); the leading dimensions are divided by
 # ``shrink`` in the quick layout (every sharded dimension stays divisible).
 _LAYOUT = {
-    "embed_rows": ((8192, 256), P("data", None)),       # FSDP over rows
-    "kernel_cols": ((256, 4096), P(None, "model")),     # columns sharded
-    "kernel_tp": ((1024, 512), P("data", "model")),     # tensor parallel
-    "stacked": ((4, 256, 512), P(None, None, "model")), # stacked layers
-    "bias": ((512,), P()),                              # small, replicated
-    "scale": ((), P()),                                 # scalar, replicated
+  "embed_rows": ((8192, 256), P("data", None)),  # FSDP over rows
+  "kernel_cols": ((256, 4096), P(None, "model")),  # columns sharded
+  "kernel_tp": ((1024, 512), P("data", "model")),  # tensor parallel
+  "stacked": ((4, 256, 512), P(None, None, "model")),  # stacked layers
+  "bias": ((512,), P()),  # small, replicated
+  "scale": ((), P()),  # scalar, replicated
 }
 
 # The grpo modes of issue 19 (keywords of grpo_optax.grpo).
 GRPO_MODES = {
-    "grpo(sparsify=None)": dict(sparsify=None),
-    "grpo()": {},
-    "grpo(sparsify='threshold')": dict(sparsify="threshold"),
-    "grpo(**ARTICLE_DEFAULTS)": dict(grpo_optax.ARTICLE_DEFAULTS),
-    "grpo(freeze_threshold=0.3)": dict(freeze_threshold=0.3,
-                                       freeze_warmup_steps=2),
-    "grpo(topk_method='exact')": dict(topk_method="exact"),
+  "grpo(sparsify=None)": dict(sparsify=None),
+  "grpo()": {},
+  "grpo(sparsify='threshold')": dict(sparsify="threshold"),
+  "grpo(**ARTICLE_DEFAULTS)": dict(grpo_optax.ARTICLE_DEFAULTS),
+  "grpo(freeze_threshold=0.3)": dict(
+    freeze_threshold=0.3, freeze_warmup_steps=2
+  ),
+  "grpo(topk_method='exact')": dict(topk_method="exact"),
 }
 
 
 def optimizers(lr: float = 1e-3) -> dict[str, Callable[[], Any]]:
   """Name -> factory of every optimizer measured (baselines first)."""
   out = {
-      "adam": lambda: optax.adam(lr),
-      "clip_by_global_norm+nadam": lambda: optax.chain(
-          optax.clip_by_global_norm(1.0), optax.nadam(lr)),
+    "adam": lambda: optax.adam(lr),
+    "clip_by_global_norm+nadam": lambda: optax.chain(
+      optax.clip_by_global_norm(1.0), optax.nadam(lr)
+    ),
   }
   for name, kw in GRPO_MODES.items():
     out[name] = lambda kw=kw: grpo_optax.grpo(lr, **kw)
@@ -101,8 +105,12 @@ def layout(quick: bool = False) -> dict[str, tuple[tuple[int, ...], P]]:
   """The parameter layout: name -> (shape, PartitionSpec)."""
   if not quick:
     return dict(_LAYOUT)
-  shrink = {"embed_rows": (8, 1), "kernel_cols": (1, 4), "kernel_tp": (4, 2),
-            "stacked": (1, 2, 2)}
+  shrink = {
+    "embed_rows": (8, 1),
+    "kernel_cols": (1, 4),
+    "kernel_tp": (4, 2),
+    "stacked": (1, 2, 2),
+  }
   out = {}
   for name, (shape, spec) in _LAYOUT.items():
     s = shrink.get(name, (1,) * len(shape))
@@ -110,8 +118,9 @@ def layout(quick: bool = False) -> dict[str, tuple[tuple[int, ...], P]]:
   return out
 
 
-def make_mesh(axis_type: str = "auto", devices=None,
-              shape: tuple[int, int] = MESH_SHAPE) -> jax.sharding.Mesh:
+def make_mesh(
+  axis_type: str = "auto", devices=None, shape: tuple[int, int] = MESH_SHAPE
+) -> jax.sharding.Mesh:
   """A ``("data", "model")`` mesh whose axes are all of ``axis_type``."""
   t = AXIS_TYPES[axis_type]
   return jax.make_mesh(shape, AXES, axis_types=(t, t), devices=devices)
@@ -119,15 +128,18 @@ def make_mesh(axis_type: str = "auto", devices=None,
 
 def make_params(mesh, lay) -> dict[str, jax.Array]:
   """float32 zeros of the layout, placed with their shardings."""
-  return {k: jax.device_put(np.zeros(shape, np.float32),
-                            NamedSharding(mesh, spec))
-          for k, (shape, spec) in lay.items()}
+  return {
+    k: jax.device_put(np.zeros(shape, np.float32), NamedSharding(mesh, spec))
+    for k, (shape, spec) in lay.items()
+  }
 
 
 def param_bytes_per_device(params) -> int:
   """Bytes of parameters one device holds (its shard of every leaf)."""
-  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-             for x in jax.tree.leaves(params))
+  return sum(
+    math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    for x in jax.tree.leaves(params)
+  )
 
 
 def compile_update(tx, params) -> jax.stages.Compiled:
@@ -148,21 +160,23 @@ def measure(tx, params) -> dict[str, Any]:
   try:
     compiled = compile_update(tx, params)
   except Exception as e:  # pylint: disable=broad-except
-    return {"compiles": False,
-            "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    return {
+      "compiles": False,
+      "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
+    }
   ops = training.collective_ops(compiled)
   traffic = training.ring_traffic(compiled)
   per_device = param_bytes_per_device(params)
   return {
-      "compiles": True,
-      "collective_bytes": traffic["total"],
-      "collective_fraction": traffic["total"] / per_device,
-      "result_bytes": sum(size for _, size, _ in ops),
-      "all_gathers": sum(1 for kind, _, _ in ops if kind == "all-gather"),
-      "collectives": len(ops),
-      "by_kind": {k: v for k, v in traffic.items() if k != "total" and v},
-      "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-      "compile_s": time.perf_counter() - start,
+    "compiles": True,
+    "collective_bytes": traffic["total"],
+    "collective_fraction": traffic["total"] / per_device,
+    "result_bytes": sum(size for _, size, _ in ops),
+    "all_gathers": sum(1 for kind, _, _ in ops if kind == "all-gather"),
+    "collectives": len(ops),
+    "by_kind": {k: v for k, v in traffic.items() if k != "total" and v},
+    "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+    "compile_s": time.perf_counter() - start,
   }
 
 
@@ -181,49 +195,57 @@ def run(quick: bool = False, names=None) -> dict[str, Any]:
         results.setdefault(name, {})[axis_type] = measure(factory(), params)
   params = make_params(make_mesh("auto"), lay)
   return {
-      "jax": jax.__version__, "optax": optax.__version__,
-      "devices": jax.device_count(), "mesh": dict(zip(AXES, MESH_SHAPE)),
-      "layout": {k: {"shape": list(s), "spec": str(p)}
-                 for k, (s, p) in lay.items()},
-      "num_params": sum(math.prod(s) for s, _ in lay.values()),
-      "param_bytes_per_device": param_bytes_per_device(params),
-      "results": results,
+    "jax": jax.__version__,
+    "optax": optax.__version__,
+    "devices": jax.device_count(),
+    "mesh": dict(zip(AXES, MESH_SHAPE)),
+    "layout": {
+      k: {"shape": list(s), "spec": str(p)} for k, (s, p) in lay.items()
+    },
+    "num_params": sum(math.prod(s) for s, _ in lay.values()),
+    "param_bytes_per_device": param_bytes_per_device(params),
+    "results": results,
   }
 
 
 def _cell(r: dict[str, Any]) -> list[str]:
   if not r["compiles"]:
     return ["fails", "-", "-", "-", "-"]
-  return [f"{r['collective_bytes']:,.0f}", f"{r['result_bytes']:,}",
-          f"{100 * r['collective_fraction']:.3f}%", str(r["all_gathers"]),
-          f"{r['temp_bytes'] / 1e6:,.2f}"]
+  return [
+    f"{r['collective_bytes']:,.0f}",
+    f"{r['result_bytes']:,}",
+    f"{100 * r['collective_fraction']:.3f}%",
+    str(r["all_gathers"]),
+    f"{r['temp_bytes'] / 1e6:,.2f}",
+  ]
 
 
 def markdown(report: dict[str, Any], command: str) -> str:
   """The report as a Markdown table (one row per optimizer and mesh type)."""
   lines = [
-      "# Collectives of one update on sharded parameters",
-      "",
-      f"`{command}` (jax {report['jax']}, optax {report['optax']}, "
-      f"{report['devices']} forced CPU devices, mesh {report['mesh']}, "
-      f"{report['num_params']:,} params, "
-      f"{report['param_bytes_per_device']:,} parameter bytes per device).",
-      "",
-      "Collective B: bytes each device sends per update (ring model, from "
-      "the compiled HLO); result B: the collectives' result sizes summed "
-      "(`collective_bytes`); % params: collective B over the parameter bytes"
-      " one device holds; temp MB: `memory_analysis().temp_size_in_bytes` "
-      "(the update is not donated).",
-      "",
-      "| optimizer | mesh | collective B | result B | % params | all-gathers "
-      "| temp MB |",
-      "|---|---|---|---|---|---|---|",
+    "# Collectives of one update on sharded parameters",
+    "",
+    f"`{command}` (jax {report['jax']}, optax {report['optax']}, "
+    f"{report['devices']} forced CPU devices, mesh {report['mesh']}, "
+    f"{report['num_params']:,} params, "
+    f"{report['param_bytes_per_device']:,} parameter bytes per device).",
+    "",
+    "Collective B: bytes each device sends per update (ring model, from "
+    "the compiled HLO); result B: the collectives' result sizes summed "
+    "(`collective_bytes`); % params: collective B over the parameter bytes"
+    " one device holds; temp MB: `memory_analysis().temp_size_in_bytes` "
+    "(the update is not donated).",
+    "",
+    "| optimizer | mesh | collective B | result B | % params | all-gathers "
+    "| temp MB |",
+    "|---|---|---|---|---|---|---|",
   ]
   errors = []
   for name, by_mesh in report["results"].items():
     for axis_type, r in by_mesh.items():
-      lines.append("| " + " | ".join([f"`{name}`", axis_type] + _cell(r))
-                   + " |")
+      lines.append(
+        "| " + " | ".join([f"`{name}`", axis_type] + _cell(r)) + " |"
+      )
       if not r["compiles"]:
         errors.append(f"- `{name}`, {axis_type}: {r['error']}")
   if errors:
@@ -233,17 +255,24 @@ def markdown(report: dict[str, Any], command: str) -> str:
 
 def main(argv=None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="the layout shrunk to 0.72M params")
-  parser.add_argument("--out", default="benchmarks/results",
-                      help="directory of sharding.{json,md}")
-  parser.add_argument("--name", default="sharding",
-                      help="file name stem of the results")
+  parser.add_argument(
+    "--quick", action="store_true", help="the layout shrunk to 0.72M params"
+  )
+  parser.add_argument(
+    "--out",
+    default="benchmarks/results",
+    help="directory of sharding.{json,md}",
+  )
+  parser.add_argument(
+    "--name", default="sharding", help="file name stem of the results"
+  )
   args = parser.parse_args(argv)
   report = run(quick=args.quick)
-  command = "python -m benchmarks.sharding" + (
-      " --quick" if args.quick else "") + (
-          f" --name {args.name}" if args.name != "sharding" else "")
+  command = (
+    "python -m benchmarks.sharding"
+    + (" --quick" if args.quick else "")
+    + (f" --name {args.name}" if args.name != "sharding" else "")
+  )
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -26,7 +26,7 @@ import platform
 import re
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -51,63 +51,97 @@ def transformer_tree(n_params: float, d_model: int | None = None):
   shapes = {"embed": (8 * d, d)}
   for i in range(n_layers):
     shapes[f"layer_{i:02d}"] = {
-        "qkv": (d, 3 * d), "qkv_bias": (3 * d,), "out": (d, d), "out_bias": (d,),
-        "mlp_in": (d, 4 * d), "mlp_in_bias": (4 * d,), "mlp_out": (4 * d, d),
-        "ln1": (d,), "ln2": (d,)}
-  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes,
-                      is_leaf=lambda x: isinstance(x, tuple))
+      "qkv": (d, 3 * d),
+      "qkv_bias": (3 * d,),
+      "out": (d, d),
+      "out_bias": (d,),
+      "mlp_in": (d, 4 * d),
+      "mlp_in_bias": (4 * d,),
+      "mlp_out": (4 * d, d),
+      "ln1": (d,),
+      "ln2": (d,),
+    }
+  return jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
+    shapes,
+    is_leaf=lambda x: isinstance(x, tuple),
+  )
 
 
-def optimizers(lr: float = 1e-3) -> dict[str, Callable[[], optax.GradientTransformation]]:
+def optimizers(
+  lr: float = 1e-3,
+) -> dict[str, Callable[[], optax.GradientTransformation]]:
   g = grpo_optax
   return {
-      "sgd_momentum": lambda: optax.sgd(lr, momentum=0.9),
-      "adam": lambda: optax.adam(lr),
-      "adamw": lambda: optax.adamw(lr),
-      "nadam": lambda: optax.nadam(lr),
-      # optax's own NAdam with global-norm clipping: what grpo()'s defaults
-      # are without the mask.
-      "clip_nadam": lambda: optax.chain(optax.clip_by_global_norm(1.0),
-                                        optax.nadam(lr)),
-      "clip_with_l2": lambda: optax.chain(g.clip_with_l2(1.0, 1e-4),
-                                          optax.sgd(lr)),
-      "scale_by_importance": lambda: optax.chain(g.scale_by_importance(),
-                                                 optax.sgd(lr)),
-      "top_k_mask_sampled": lambda: optax.chain(g.top_k_mask(method="sampled"),
-                                                optax.sgd(lr)),
-      "ema_threshold_mask": lambda: optax.chain(g.ema_threshold_mask(),
-                                                optax.sgd(lr)),
-      "scale_by_nesterov_adam_rms": lambda: optax.chain(
-          g.scale_by_nesterov_adam_rms(), optax.scale(-lr)),
-      "scale_by_variance_lr": lambda: optax.chain(g.scale_by_variance_lr(),
-                                                  optax.sgd(lr)),
-      "freeze_below": lambda: optax.chain(g.freeze_below(), optax.sgd(lr)),
-      # The preset with the library's defaults in each sparsify mode: the
-      # fused core and the chain of the same rooms (fused=False).
-      "grpo_dense": lambda: g.grpo(lr, sparsify=None),
-      "grpo_threshold": lambda: g.grpo(lr, sparsify="threshold"),
-      "grpo_topk": lambda: g.grpo(lr, sparsify="topk"),
-      # Adam's moments in block-wise 8 bits (grpo_optax.quantization).
-      "grpo_topk_int8": lambda: g.grpo(lr, sparsify="topk", mu_format="int8",
-                                       nu_format="uint8"),
-      "grpo_dense_chain": lambda: g.grpo(lr, sparsify=None, fused=False),
-      "grpo_threshold_chain": lambda: g.grpo(lr, sparsify="threshold",
-                                             fused=False),
-      "grpo_topk_chain": lambda: g.grpo(lr, sparsify="topk", fused=False),
-      # The articles' settings (importance weighting, the Adam/RMSProp mix,
-      # the variance rate, every leaf masked), one-pass.
-      "grpo_article_dense": lambda: g.grpo(lr, sparsify=None,
-                                           **g.ARTICLE_DEFAULTS),
-      "grpo_article_topk": lambda: g.grpo(lr, sparsify="topk",
-                                          **g.ARTICLE_DEFAULTS),
+    "sgd_momentum": lambda: optax.sgd(lr, momentum=0.9),
+    "adam": lambda: optax.adam(lr),
+    "adamw": lambda: optax.adamw(lr),
+    "nadam": lambda: optax.nadam(lr),
+    # optax's own NAdam with global-norm clipping: what grpo()'s defaults
+    # are without the mask.
+    "clip_nadam": lambda: optax.chain(
+      optax.clip_by_global_norm(1.0), optax.nadam(lr)
+    ),
+    "clip_with_l2": lambda: optax.chain(
+      g.clip_with_l2(1.0, 1e-4), optax.sgd(lr)
+    ),
+    "scale_by_importance": lambda: optax.chain(
+      g.scale_by_importance(), optax.sgd(lr)
+    ),
+    "top_k_mask_sampled": lambda: optax.chain(
+      g.top_k_mask(method="sampled"), optax.sgd(lr)
+    ),
+    "ema_threshold_mask": lambda: optax.chain(
+      g.ema_threshold_mask(), optax.sgd(lr)
+    ),
+    "scale_by_nesterov_adam_rms": lambda: optax.chain(
+      g.scale_by_nesterov_adam_rms(), optax.scale(-lr)
+    ),
+    "scale_by_variance_lr": lambda: optax.chain(
+      g.scale_by_variance_lr(), optax.sgd(lr)
+    ),
+    "freeze_below": lambda: optax.chain(g.freeze_below(), optax.sgd(lr)),
+    # The preset with the library's defaults in each sparsify mode: the
+    # fused core and the chain of the same rooms (fused=False).
+    "grpo_dense": lambda: g.grpo(lr, sparsify=None),
+    "grpo_threshold": lambda: g.grpo(lr, sparsify="threshold"),
+    "grpo_topk": lambda: g.grpo(lr, sparsify="topk"),
+    # Adam's moments in block-wise 8 bits (grpo_optax.quantization).
+    "grpo_topk_int8": lambda: g.grpo(
+      lr, sparsify="topk", mu_format="int8", nu_format="uint8"
+    ),
+    "grpo_dense_chain": lambda: g.grpo(lr, sparsify=None, fused=False),
+    "grpo_threshold_chain": lambda: g.grpo(
+      lr, sparsify="threshold", fused=False
+    ),
+    "grpo_topk_chain": lambda: g.grpo(lr, sparsify="topk", fused=False),
+    # The articles' settings (importance weighting, the Adam/RMSProp mix,
+    # the variance rate, every leaf masked), one-pass.
+    "grpo_article_dense": lambda: g.grpo(
+      lr, sparsify=None, **g.ARTICLE_DEFAULTS
+    ),
+    "grpo_article_topk": lambda: g.grpo(
+      lr, sparsify="topk", **g.ARTICLE_DEFAULTS
+    ),
   }
 
 
-QUICK = ("sgd_momentum", "adam", "nadam", "clip_nadam", "grpo_dense",
-         "grpo_threshold", "grpo_topk", "grpo_topk_int8", "grpo_dense_chain", "grpo_threshold_chain",
-         "grpo_topk_chain", "grpo_article_dense", "grpo_article_topk")
-COMPILE = ("adam", "clip_nadam", "grpo_dense", "grpo_threshold",
-           "grpo_topk")
+QUICK = (
+  "sgd_momentum",
+  "adam",
+  "nadam",
+  "clip_nadam",
+  "grpo_dense",
+  "grpo_threshold",
+  "grpo_topk",
+  "grpo_topk_int8",
+  "grpo_dense_chain",
+  "grpo_threshold_chain",
+  "grpo_topk_chain",
+  "grpo_article_dense",
+  "grpo_article_topk",
+)
+COMPILE = ("adam", "clip_nadam", "grpo_dense", "grpo_threshold", "grpo_topk")
 
 
 def _param_sized_arrays(state, n_leaves_params: int, param_sizes: set) -> int:
@@ -131,6 +165,7 @@ def _make_step(tx):
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
+
   return jax.jit(step, donate_argnums=(0, 1))
 
 
@@ -153,7 +188,8 @@ def param_sized_arrays(params, state) -> int:
   """How many state arrays have the size of a (non-scalar) parameter leaf."""
   sizes = {x.size for x in jax.tree.leaves(params) if x.size > 1}
   return sum(1 for x in jax.tree.leaves(state) if np.size(x) in sizes) // max(
-      1, len([x for x in jax.tree.leaves(params) if x.size > 1]))
+    1, len([x for x in jax.tree.leaves(params) if x.size > 1])
+  )
 
 
 def analyse(step, params, state, grads) -> dict:
@@ -161,11 +197,18 @@ def analyse(step, params, state, grads) -> dict:
   compiled = step.lower(params, state, grads).compile()
   text = compiled.as_text()
   n = sum(x.size for x in jax.tree.leaves(params))
-  big_copies = [line for line in text.splitlines() if " copy(" in line and any(
-      int(d) * 4 >= 1 << 20 for d in re.findall(r"f32\[(\d+)", line))]
-  return dict(temp_bytes_per_param=round(
-      compiled.memory_analysis().temp_size_in_bytes / n, 3),
-              big_copies=len(big_copies))
+  big_copies = [
+    line
+    for line in text.splitlines()
+    if " copy(" in line
+    and any(int(d) * 4 >= 1 << 20 for d in re.findall(r"f32\[(\d+)", line))
+  ]
+  return dict(
+    temp_bytes_per_param=round(
+      compiled.memory_analysis().temp_size_in_bytes / n, 3
+    ),
+    big_copies=len(big_copies),
+  )
 
 
 def _setup(name, grads):
@@ -179,8 +222,15 @@ def _setup(name, grads):
   t0 = time.perf_counter()
   params, state = step(params, state, grads)
   jax.block_until_ready(params)
-  return dict(step=step, params=params, state=state, times=[], bytes=nbytes,
-              compile_s=time.perf_counter() - t0, **info)
+  return dict(
+    step=step,
+    params=params,
+    state=state,
+    times=[],
+    bytes=nbytes,
+    compile_s=time.perf_counter() - t0,
+    **info,
+  )
 
 
 def _time_interleaved(runs, grads, rounds, iters):
@@ -207,9 +257,12 @@ def bench_size(n_params: float, names, *, rounds: int, iters: int, seed=0):
   key = jax.random.key(seed)
   keys = jax.random.split(key, len(jax.tree.leaves(shapes)))
   treedef = jax.tree.structure(shapes)
-  grads = treedef.unflatten([
+  grads = treedef.unflatten(
+    [
       1e-2 * jax.random.normal(k, s.shape, s.dtype)
-      for k, s in zip(keys, jax.tree.leaves(shapes))])
+      for k, s in zip(keys, jax.tree.leaves(shapes))
+    ]
+  )
   bw = copy_bandwidth(n)
   results = {}
   adam_times, adam_info = [], None
@@ -232,8 +285,11 @@ def bench_size(n_params: float, names, *, rounds: int, iters: int, seed=0):
   for name in names:
     ms, ratio, r = results[name]
     gbps = r["bytes"] / (ms / 1e3) / 1e9
-    rows.append(dict(
-        optimizer=name, n_params=int(n), median_ms=round(ms, 3),
+    rows.append(
+      dict(
+        optimizer=name,
+        n_params=int(n),
+        median_ms=round(ms, 3),
         ratio_to_adam=round(ratio, 3),
         bytes_per_step=int(r["bytes"]),
         bytes_per_param=round(r["bytes"] / n, 2),
@@ -242,37 +298,62 @@ def bench_size(n_params: float, names, *, rounds: int, iters: int, seed=0):
         roofline_fraction=round(gbps / bw, 3),
         compile_s=round(r["compile_s"], 2),
         temp_bytes_per_param=r["temp_bytes_per_param"],
-        big_copies=r["big_copies"], state_arrays=r["state_arrays"],
-        samples=len(r["times"])))
+        big_copies=r["big_copies"],
+        state_arrays=r["state_arrays"],
+        samples=len(r["times"]),
+      )
+    )
   return rows
 
 
 def to_markdown(rows, meta) -> str:
-  lines = [f"# Step time ({meta['device']}, {meta['date']})", "",
-           f"Command: `{meta['command']}`", "",
-           "| optimizer | params | median ms | x Adam | bytes/param | GB/s |"
-           " roofline | param-sized state arrays | XLA temp bytes/param |"
-           " copies >= 1 MB |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+  lines = [
+    f"# Step time ({meta['device']}, {meta['date']})",
+    "",
+    f"Command: `{meta['command']}`",
+    "",
+    "| optimizer | params | median ms | x Adam | bytes/param | GB/s |"
+    " roofline | param-sized state arrays | XLA temp bytes/param |"
+    " copies >= 1 MB |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+  ]
   for r in rows:
     lines.append(
-        f"| {r['optimizer']} | {r['n_params'] / 1e6:.1f}M | {r['median_ms']:.2f}"
-        f" | {r['ratio_to_adam']:.2f} | {r['bytes_per_param']:.0f}"
-        f" | {r['achieved_gbps']:.1f} | {r['roofline_fraction']:.2f}"
-        f" | {r.get('state_arrays', '')} | {r.get('temp_bytes_per_param', '')}"
-        f" | {r.get('big_copies', '')} |")
+      f"| {r['optimizer']} | {r['n_params'] / 1e6:.1f}M | {r['median_ms']:.2f}"
+      f" | {r['ratio_to_adam']:.2f} | {r['bytes_per_param']:.0f}"
+      f" | {r['achieved_gbps']:.1f} | {r['roofline_fraction']:.2f}"
+      f" | {r.get('state_arrays', '')} | {r.get('temp_bytes_per_param', '')}"
+      f" | {r.get('big_copies', '')} |"
+    )
   return "\n".join(lines) + "\n"
 
 
 def layered_tree(n_layers: int, d: int = 64):
   """16 leaves per layer (attention, MLP, norms and biases), d = 64."""
-  layer = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "qb": (d,),
-           "kb": (d,), "vb": (d,), "ob": (d,), "w1": (d, 4 * d),
-           "b1": (4 * d,), "w2": (4 * d, d), "b2": (d,), "ln1_scale": (d,),
-           "ln1_bias": (d,), "ln2_scale": (d,), "ln2_bias": (d,)}
-  return {f"layer_{i:02d}": {k: jnp.full(s, 0.01, jnp.float32)
-                             for k, s in layer.items()}
-          for i in range(n_layers)}
+  layer = {
+    "q": (d, d),
+    "k": (d, d),
+    "v": (d, d),
+    "o": (d, d),
+    "qb": (d,),
+    "kb": (d,),
+    "vb": (d,),
+    "ob": (d,),
+    "w1": (d, 4 * d),
+    "b1": (4 * d,),
+    "w2": (4 * d, d),
+    "b2": (d,),
+    "ln1_scale": (d,),
+    "ln1_bias": (d,),
+    "ln2_scale": (d,),
+    "ln2_bias": (d,),
+  }
+  return {
+    f"layer_{i:02d}": {
+      k: jnp.full(s, 0.01, jnp.float32) for k, s in layer.items()
+    }
+    for i in range(n_layers)
+  }
 
 
 def compile_times(names, layers=(1, 6, 24), repeats=1) -> list[dict]:
@@ -289,10 +370,14 @@ def compile_times(names, layers=(1, 6, 24), repeats=1) -> list[dict]:
         t0 = time.perf_counter()
         _make_step(tx).lower(params, state, params).compile()
         best = min(best, time.perf_counter() - t0)
-      rows.append(dict(optimizer=name, leaves=16 * n_layers,
-                       compile_s=round(best, 2)))
-    adam = [r for r in rows if r["leaves"] == 16 * n_layers
-            and r["optimizer"] == "adam"]
+      rows.append(
+        dict(optimizer=name, leaves=16 * n_layers, compile_s=round(best, 2))
+      )
+    adam = [
+      r
+      for r in rows
+      if r["leaves"] == 16 * n_layers and r["optimizer"] == "adam"
+    ]
     for r in rows:
       if r["leaves"] == 16 * n_layers and adam:
         r["ratio_to_adam"] = round(r["compile_s"] / adam[0]["compile_s"], 2)
@@ -303,27 +388,38 @@ def compile_markdown(rows) -> str:
   leaves = sorted({r["leaves"] for r in rows})
   names = list(dict.fromkeys(r["optimizer"] for r in rows))
   cell = {(r["optimizer"], r["leaves"]): r for r in rows}
-  lines = ["", "## Compile time of the update step (trace + lower + compile)",
-           "", "| optimizer | " + " | ".join(f"{n} leaves" for n in leaves)
-           + " |", "|---|" + "---|" * len(leaves)]
+  lines = [
+    "",
+    "## Compile time of the update step (trace + lower + compile)",
+    "",
+    "| optimizer | " + " | ".join(f"{n} leaves" for n in leaves) + " |",
+    "|---|" + "---|" * len(leaves),
+  ]
   for name in names:
-    lines.append(f"| {name} | " + " | ".join(
+    lines.append(
+      f"| {name} | "
+      + " | ".join(
         f"{cell[name, n]['compile_s']:.2f} s (x{cell[name, n].get('ratio_to_adam', 0):.2f})"
-        for n in leaves) + " |")
+        for n in leaves
+      )
+      + " |"
+    )
   return "\n".join(lines) + "\n"
 
 
 def plot(rows, path):
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   except ImportError:
     return None
   fig, ax = plt.subplots(figsize=(6, 4))
   for name in sorted({r["optimizer"] for r in rows}):
-    pts = sorted((r["n_params"], r["median_ms"]) for r in rows
-                 if r["optimizer"] == name)
+    pts = sorted(
+      (r["n_params"], r["median_ms"]) for r in rows if r["optimizer"] == name
+    )
     if len(pts) > 1:
       ax.loglog(*zip(*pts), marker="o", label=name)
   ax.set_xlabel("parameters")
@@ -339,31 +435,50 @@ def plot(rows, path):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="one 20M size, the preset modes and optax baselines")
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help="one 20M size, the preset modes and optax baselines",
+  )
   parser.add_argument("--out", default="benchmarks/results")
-  parser.add_argument("--sizes", default=None,
-                      help="comma-separated parameter counts, e.g. 1e6,2e7")
-  parser.add_argument("--optimizers", default=None,
-                      help="comma-separated names (default: all, or the quick set)")
+  parser.add_argument(
+    "--sizes",
+    default=None,
+    help="comma-separated parameter counts, e.g. 1e6,2e7",
+  )
+  parser.add_argument(
+    "--optimizers",
+    default=None,
+    help="comma-separated names (default: all, or the quick set)",
+  )
   parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--iters", type=int, default=None)
   parser.add_argument("--tag", default="", help="suffix of the output files")
-  parser.add_argument("--compile-layers", default="1,6,24",
-                      help="layers of the compile-time tree (16 leaves each);"
-                      " empty: no compile-time table")
+  parser.add_argument(
+    "--compile-layers",
+    default="1,6,24",
+    help="layers of the compile-time tree (16 leaves each);"
+    " empty: no compile-time table",
+  )
   args = parser.parse_args(argv)
 
   if args.sizes:
     sizes = [float(s) for s in args.sizes.split(",")]
   else:
     sizes = [2e7] if args.quick else [1e6, 1e7, 2e7, 5e7, 1e8]
-  names = (args.optimizers.split(",") if args.optimizers
-           else list(QUICK) if args.quick else list(optimizers()))
+  names = (
+    args.optimizers.split(",")
+    if args.optimizers
+    else list(QUICK)
+    if args.quick
+    else list(optimizers())
+  )
   unknown = set(names) - set(optimizers())
   if unknown:
-    parser.error(f"--optimizers: unknown {sorted(unknown)}; "
-                 f"choose from {sorted(optimizers())}")
+    parser.error(
+      f"--optimizers: unknown {sorted(unknown)}; "
+      f"choose from {sorted(optimizers())}"
+    )
   if "adam" not in names:
     names.insert(0, "adam")
   rounds = args.rounds or (5 if args.quick else 5)
@@ -373,37 +488,49 @@ def main(argv=None):
   for size in sizes:
     size_rows = bench_size(size, names, rounds=rounds, iters=iters)
     for r in size_rows:
-      print(f"{r['optimizer']:>28s} {r['n_params'] / 1e6:7.1f}M "
-            f"{r['median_ms']:9.2f} ms  x{r['ratio_to_adam']:.2f} Adam  "
-            f"{r['bytes_per_param']:5.0f} B/param  {r['achieved_gbps']:6.1f} GB/s "
-            f"({r['roofline_fraction']:.2f} of copy {r['copy_gbps']:.1f}) "
-            f"state {r['state_arrays']} temp {r['temp_bytes_per_param']} B/param "
-            f"copies {r['big_copies']}",
-            flush=True)
+      print(
+        f"{r['optimizer']:>28s} {r['n_params'] / 1e6:7.1f}M "
+        f"{r['median_ms']:9.2f} ms  x{r['ratio_to_adam']:.2f} Adam  "
+        f"{r['bytes_per_param']:5.0f} B/param  {r['achieved_gbps']:6.1f} GB/s "
+        f"({r['roofline_fraction']:.2f} of copy {r['copy_gbps']:.1f}) "
+        f"state {r['state_arrays']} temp {r['temp_bytes_per_param']} B/param "
+        f"copies {r['big_copies']}",
+        flush=True,
+      )
     rows.extend(size_rows)
 
   compile_rows = []
   if args.compile_layers:
     layers = [int(x) for x in args.compile_layers.split(",")]
-    compile_rows = compile_times([n for n in COMPILE if n in names or
-                                  n == "adam"], layers, repeats=2)
+    compile_rows = compile_times(
+      [n for n in COMPILE if n in names or n == "adam"], layers, repeats=2
+    )
     for r in compile_rows:
-      print(f"compile {r['optimizer']:>20s} {r['leaves']:4d} leaves "
-            f"{r['compile_s']:7.2f} s  x{r.get('ratio_to_adam', 0):.2f} adam",
-            flush=True)
+      print(
+        f"compile {r['optimizer']:>20s} {r['leaves']:4d} leaves "
+        f"{r['compile_s']:7.2f} s  x{r.get('ratio_to_adam', 0):.2f} adam",
+        flush=True,
+      )
 
   meta = dict(
-      device=f"{jax.devices()[0].device_kind} x{jax.device_count()}"
-      f" ({platform.machine()}, {os.cpu_count()} cpus)",
-      backend=jax.default_backend(), jax=jax.__version__,
-      optax=optax.__version__, date=time.strftime("%Y-%m-%d"),
-      command="python -m benchmarks.step_time " + " ".join(argv or []),
-      rounds=rounds, iters=iters)
+    device=f"{jax.devices()[0].device_kind} x{jax.device_count()}"
+    f" ({platform.machine()}, {os.cpu_count()} cpus)",
+    backend=jax.default_backend(),
+    jax=jax.__version__,
+    optax=optax.__version__,
+    date=time.strftime("%Y-%m-%d"),
+    command="python -m benchmarks.step_time " + " ".join(argv or []),
+    rounds=rounds,
+    iters=iters,
+  )
   os.makedirs(args.out, exist_ok=True)
-  stem = os.path.join(args.out, "step_time" + (f"_{args.tag}" if args.tag else ""))
+  stem = os.path.join(
+    args.out, "step_time" + (f"_{args.tag}" if args.tag else "")
+  )
   with open(stem + ".json", "w") as f:
-    json.dump({"meta": meta, "rows": rows, "compile": compile_rows}, f,
-              indent=1)
+    json.dump(
+      {"meta": meta, "rows": rows, "compile": compile_rows}, f, indent=1
+    )
   with open(stem + ".md", "w") as f:
     f.write(to_markdown(rows, meta))
     if compile_rows:
@@ -415,4 +542,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
   import sys  # pylint: disable=g-import-not-at-top
+
   main(sys.argv[1:])

@@ -16,7 +16,6 @@ from __future__ import annotations
 import grpo_optax
 
 VARIANTS = {
-    "grpo_article": lambda lr: grpo_optax.grpo(
-        lr, **grpo_optax.ARTICLE_DEFAULTS),
-    "grpo_min_size_0": lambda lr: grpo_optax.grpo(lr, min_size=0),
+  "grpo_article": lambda lr: grpo_optax.grpo(lr, **grpo_optax.ARTICLE_DEFAULTS),
+  "grpo_min_size_0": lambda lr: grpo_optax.grpo(lr, min_size=0),
 }

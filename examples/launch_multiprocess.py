@@ -57,20 +57,35 @@ def _pump(stream, prefix: str, out) -> None:
   stream.close()
 
 
-def _run_once(command: list[str], num_processes: int, env: dict, *,
-              deadline: float | None, port: int | None, out) -> int:
+def _run_once(
+  command: list[str],
+  num_processes: int,
+  env: dict,
+  *,
+  deadline: float | None,
+  port: int | None,
+  out,
+) -> int:
   """One start of all the processes; the worst exit code (124: timed out)."""
   address = f"127.0.0.1:{port or free_port()}"
   procs, pumps = [], []
   for i in range(num_processes):
-    argv = command + ["--coordinator-address", address, "--num-processes",
-                      str(num_processes), "--process-id", str(i)]
-    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    argv = command + [
+      "--coordinator-address",
+      address,
+      "--num-processes",
+      str(num_processes),
+      "--process-id",
+      str(i),
+    ]
+    p = subprocess.Popen(
+      argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     out.write(f"[launcher] process {i}: pid {p.pid}\n")
     out.flush()
-    t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out),
-                         daemon=True)
+    t = threading.Thread(
+      target=_pump, args=(p.stdout, f"[{i}] ", out), daemon=True
+    )
     t.start()
     procs.append(p)
     pumps.append(t)
@@ -80,7 +95,8 @@ def _run_once(command: list[str], num_processes: int, env: dict, *,
       if i not in codes and p.poll() is not None:
         codes[i] = p.returncode
     if any(c != 0 for c in codes.values()) or (
-        deadline is not None and time.monotonic() > deadline):
+      deadline is not None and time.monotonic() > deadline
+    ):
       timed_out = not any(c != 0 for c in codes.values())
       for i, p in enumerate(procs):
         if i not in codes:
@@ -97,10 +113,16 @@ def _run_once(command: list[str], num_processes: int, env: dict, *,
   return max(codes.values(), key=abs)
 
 
-def launch(command: list[str], num_processes: int, *,
-           devices_per_process: int | None = None,
-           timeout: float | None = None, port: int | None = None,
-           out=None, max_restarts: int = 0) -> int:
+def launch(
+  command: list[str],
+  num_processes: int,
+  *,
+  devices_per_process: int | None = None,
+  timeout: float | None = None,
+  port: int | None = None,
+  out=None,
+  max_restarts: int = 0,
+) -> int:
   """Runs ``command`` as ``num_processes`` processes; returns the worst exit code.
 
   Args:
@@ -123,41 +145,68 @@ def launch(command: list[str], num_processes: int, *,
   out = sys.stdout if out is None else out
   env = dict(os.environ)
   if devices_per_process is not None:
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+    flags = [
+      f
+      for f in env.get("XLA_FLAGS", "").split()
+      if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    flags.append(
+      f"--xla_force_host_platform_device_count={devices_per_process}"
+    )
     env["XLA_FLAGS"] = " ".join(flags)
     env.setdefault("JAX_PLATFORMS", "cpu")
   deadline = None if timeout is None else time.monotonic() + timeout
   for attempt in range(max_restarts + 1):
-    code = _run_once(command, num_processes, env, deadline=deadline,
-                     port=port if attempt == 0 else None, out=out)
+    code = _run_once(
+      command,
+      num_processes,
+      env,
+      deadline=deadline,
+      port=port if attempt == 0 else None,
+      out=out,
+    )
     if code in (0, 124):
       return code
     if attempt < max_restarts:
-      out.write(f"[launcher] a process died (exit {code}): restart "
-                f"{attempt + 1} of {max_restarts}, all {num_processes} "
-                "processes\n")
+      out.write(
+        f"[launcher] a process died (exit {code}): restart "
+        f"{attempt + 1} of {max_restarts}, all {num_processes} "
+        "processes\n"
+      )
       out.flush()
   return code
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
-      prog="python -m examples.launch_multiprocess",
-      description="Run a command as N JAX processes on this machine "
-      "(jax.distributed over localhost).")
+    prog="python -m examples.launch_multiprocess",
+    description="Run a command as N JAX processes on this machine "
+    "(jax.distributed over localhost).",
+  )
   parser.add_argument("--num-processes", type=int, default=2)
-  parser.add_argument("--devices-per-process", type=int, default=None,
-                      help="Forced CPU devices per process.")
-  parser.add_argument("--timeout", type=float, default=None,
-                      help="Seconds before every process is killed.")
-  parser.add_argument("--max-restarts", type=int, default=0,
-                      help="Restart all processes up to N times when one "
-                      "dies (give the command --workdir and --resume to "
-                      "continue from its last checkpoint).")
-  parser.add_argument("command", nargs=argparse.REMAINDER,
-                      help="The command, after '--'.")
+  parser.add_argument(
+    "--devices-per-process",
+    type=int,
+    default=None,
+    help="Forced CPU devices per process.",
+  )
+  parser.add_argument(
+    "--timeout",
+    type=float,
+    default=None,
+    help="Seconds before every process is killed.",
+  )
+  parser.add_argument(
+    "--max-restarts",
+    type=int,
+    default=0,
+    help="Restart all processes up to N times when one "
+    "dies (give the command --workdir and --resume to "
+    "continue from its last checkpoint).",
+  )
+  parser.add_argument(
+    "command", nargs=argparse.REMAINDER, help="The command, after '--'."
+  )
   args = parser.parse_args(argv)
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
   if not command:
@@ -168,9 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.error("--devices-per-process must be >= 1")
   if args.max_restarts < 0:
     parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
-  return launch(command, args.num_processes,
-                devices_per_process=args.devices_per_process,
-                timeout=args.timeout, max_restarts=args.max_restarts)
+  return launch(
+    command,
+    args.num_processes,
+    devices_per_process=args.devices_per_process,
+    timeout=args.timeout,
+    max_restarts=args.max_restarts,
+  )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import grpo_optax
 
 def load_data(seed: int = 0):
   from sklearn.datasets import load_breast_cancer  # pylint: disable=g-import-not-at-top
+
   x, y = load_breast_cancer(return_X_y=True)
   x = (x - x.mean(0)) / (x.std(0) + 1e-8)
   perm = np.random.default_rng(seed).permutation(len(x))
@@ -55,7 +56,9 @@ def main(argv=None):
     params, opt_state, loss = step(params, opt_state)
     if i % 50 == 0 or i == args.steps - 1:
       print(f"step {i:4d}  train loss {float(loss):.4f}")
-  acc = float(jnp.mean(((x_te @ params["w"] + params["b"]) > 0) == (y_te > 0.5)))
+  acc = float(
+    jnp.mean(((x_te @ params["w"] + params["b"]) > 0) == (y_te > 0.5))
+  )
   print(f"held-out accuracy {acc:.4f}")
   return acc
 

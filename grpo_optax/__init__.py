@@ -20,6 +20,9 @@ Each seed mechanism of the two source articles lives in one module:
   sampler).
 """
 
+from grpo_optax import quantization  # pylint: disable=g-bad-import-order
+from grpo_optax import rl  # pylint: disable=g-bad-import-order
+from grpo_optax import training  # pylint: disable=g-bad-import-order
 from grpo_optax.clipping import ClipWithL2State
 from grpo_optax.clipping import clip_with_l2
 from grpo_optax.diagnostics import frozen_mask
@@ -42,36 +45,33 @@ from grpo_optax.sparsify import ema_threshold_mask
 from grpo_optax.sparsify import top_k_mask
 from grpo_optax.variance import ScaleByVarianceLrState
 from grpo_optax.variance import scale_by_variance_lr
-from grpo_optax import quantization  # pylint: disable=g-bad-import-order
-from grpo_optax import training  # pylint: disable=g-bad-import-order
-from grpo_optax import rl  # pylint: disable=g-bad-import-order
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ARTICLE_DEFAULTS",
-    "ClipWithL2State",
-    "EmaThresholdMaskState",
-    "FreezeBelowState",
-    "FusedState",
-    "ScaleByImportanceState",
-    "ScaleByNesterovAdamRmsState",
-    "ScaleByVarianceLrState",
-    "TopKMaskState",
-    "clip_mask_adam",
-    "clip_with_l2",
-    "ema_threshold_mask",
-    "freeze_below",
-    "frozen_mask",
-    "grpo",
-    "importance_converged",
-    "metrics",
-    "per_head",
-    "quantization",
-    "rl",
-    "scale_by_importance",
-    "scale_by_nesterov_adam_rms",
-    "scale_by_variance_lr",
-    "top_k_mask",
-    "training",
+  "ARTICLE_DEFAULTS",
+  "ClipWithL2State",
+  "EmaThresholdMaskState",
+  "FreezeBelowState",
+  "FusedState",
+  "ScaleByImportanceState",
+  "ScaleByNesterovAdamRmsState",
+  "ScaleByVarianceLrState",
+  "TopKMaskState",
+  "clip_mask_adam",
+  "clip_with_l2",
+  "ema_threshold_mask",
+  "freeze_below",
+  "frozen_mask",
+  "grpo",
+  "importance_converged",
+  "metrics",
+  "per_head",
+  "quantization",
+  "rl",
+  "scale_by_importance",
+  "scale_by_nesterov_adam_rms",
+  "scale_by_variance_lr",
+  "top_k_mask",
+  "training",
 ]

@@ -15,13 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+
 def concrete_value(value: Any) -> float | None:
   """Returns ``value`` as a Python float, or ``None`` if it is traced."""
   if isinstance(value, jax.core.Tracer):
     return None
   try:
     arr = np.asarray(value)
-  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+  except (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+  ):
     return None
   if arr.shape != ():
     raise TypeError(f"expected a scalar hyper-parameter, got shape {arr.shape}")
@@ -35,15 +39,22 @@ def f32(value: Any) -> Any:
   the value is a Python float or an array injected by
   ``optax.inject_hyperparams`` makes both give bit-identical results.
   """
-  if isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(
-      value, bool):
+  if isinstance(
+    value, (int, float, np.floating, np.integer)
+  ) and not isinstance(value, bool):
     return np.float32(value)
   return value
 
 
-def check_range(name: str, value: Any, low: float | None = None,
-                high: float | None = None, *, low_inclusive: bool = True,
-                high_inclusive: bool = True) -> None:
+def check_range(
+  name: str,
+  value: Any,
+  low: float | None = None,
+  high: float | None = None,
+  *,
+  low_inclusive: bool = True,
+  high_inclusive: bool = True,
+) -> None:
   """Raises ``ValueError`` naming ``name`` if ``value`` lies outside the range.
 
   The range is written in the message in interval notation, e.g. ``[0, 1)``.
@@ -58,29 +69,40 @@ def check_range(name: str, value: Any, low: float | None = None,
   if ok and high is not None:
     ok = v <= high if high_inclusive else v < high
   if not ok:
-    lo = "(-inf" if low is None else ("[" if low_inclusive else "(") + f"{low:g}"
-    hi = "inf)" if high is None else f"{high:g}" + ("]" if high_inclusive else ")")
+    lo = (
+      "(-inf" if low is None else ("[" if low_inclusive else "(") + f"{low:g}"
+    )
+    hi = (
+      "inf)" if high is None else f"{high:g}" + ("]" if high_inclusive else ")")
+    )
     hint = ""
     dtype = getattr(value, "dtype", None)
-    if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and (
-        jnp.finfo(dtype).bits < 32):
-      hint = (f" ({name} arrived as a {jnp.dtype(dtype).name} array, which "
-              "rounds it: optax.inject_hyperparams casts hyper-parameters to "
-              "the params' dtype; pass hyperparam_dtype=jnp.float32)")
+    if (
+      dtype is not None
+      and jnp.issubdtype(dtype, jnp.floating)
+      and (jnp.finfo(dtype).bits < 32)
+    ):
+      hint = (
+        f" ({name} arrived as a {jnp.dtype(dtype).name} array, which "
+        "rounds it: optax.inject_hyperparams casts hyper-parameters to "
+        "the params' dtype; pass hyperparam_dtype=jnp.float32)"
+      )
     raise ValueError(f"{name} must be in {lo}, {hi}; got {value!r}{hint}")
 
 
 def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
   if value not in choices:
     raise ValueError(
-        f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+      f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}"
+    )
 
 
 def require_params(params: Any, who: str, why: str) -> None:
   if params is None:
     raise ValueError(
-        f"{who} needs `params` {why}: call `update(updates, state, params)`"
-        " (or `optimizer.update(model, grads)` with Flax NNX).")
+      f"{who} needs `params` {why}: call `update(updates, state, params)`"
+      " (or `optimizer.update(model, grads)` with Flax NNX)."
+    )
 
 
 def check_same_structure(name: str, tree: Any, like: Any, who: str) -> None:
@@ -88,19 +110,27 @@ def check_same_structure(name: str, tree: Any, like: Any, who: str) -> None:
   s1 = jax.tree.structure(tree)
   s2 = jax.tree.structure(like)
   if s1 != s2:
-    short = lambda s: (str(s) if len(str(s)) <= 160
-                       else str(s)[:150] + " ...")
-    extra = [x for x in jax.tree.leaves(tree)
-             if not isinstance(x, (jax.Array, np.ndarray, np.generic,
-                                   int, float, complex))]
-    hint = (" It has non-array leaves (e.g. "
-            f"{type(extra[0]).__name__}): with Equinox pass "
-            "`eqx.filter(model, eqx.is_array)` as params, the same filter as "
-            "the gradients." if extra else "")
+    short = lambda s: str(s) if len(str(s)) <= 160 else str(s)[:150] + " ..."
+    extra = [
+      x
+      for x in jax.tree.leaves(tree)
+      if not isinstance(
+        x, (jax.Array, np.ndarray, np.generic, int, float, complex)
+      )
+    ]
+    hint = (
+      " It has non-array leaves (e.g. "
+      f"{type(extra[0]).__name__}): with Equinox pass "
+      "`eqx.filter(model, eqx.is_array)` as params, the same filter as "
+      "the gradients."
+      if extra
+      else ""
+    )
     raise ValueError(
-        f"{who}: `{name}` must have the same tree structure as the updates"
-        f" ({s1.num_leaves} vs {s2.num_leaves} leaves: {short(s1)} vs "
-        f"{short(s2)}).{hint}")
+      f"{who}: `{name}` must have the same tree structure as the updates"
+      f" ({s1.num_leaves} vs {s2.num_leaves} leaves: {short(s1)} vs "
+      f"{short(s2)}).{hint}"
+    )
 
 
 def is_static_zero(value: Any) -> bool:
@@ -182,8 +212,9 @@ def sample_strides(shape: tuple[int, ...], max_n: int) -> tuple[int, ...]:
   return tuple(strides)
 
 
-def grid_sample(x: jax.Array, strides: tuple[int, ...],
-                offsets: Any = None) -> jax.Array:
+def grid_sample(
+  x: jax.Array, strides: tuple[int, ...], offsets: Any = None
+) -> jax.Array:
   """The grid ``x[o_0::s_0, o_1::s_1, ...]`` (``offsets`` may be traced).
 
   With static zero offsets this is a strided slice; with traced offsets each
@@ -202,8 +233,13 @@ def grid_sample(x: jax.Array, strides: tuple[int, ...],
   if spec is None:
     y = x.reshape(shape)
   else:  # an Explicit mesh: each axis's sharding goes to its major part
-    y = jax.lax.reshape(x, shape, out_sharding=jax.sharding.PartitionSpec(
-        *[e for axis in spec for e in (axis, None)]))
+    y = jax.lax.reshape(
+      x,
+      shape,
+      out_sharding=jax.sharding.PartitionSpec(
+        *[e for axis in spec for e in (axis, None)]
+      ),
+    )
   y = jax.lax.dynamic_slice(y, starts, sizes)
   return jax.lax.squeeze(y, tuple(range(1, 2 * x.ndim, 2)))
 
@@ -237,8 +273,9 @@ def unstack(vector: jax.Array) -> list[jax.Array]:
   return list(jax.lax.optimization_barrier(parts)) if parts else []
 
 
-def stack(values: list[Any], dtype: Any = jnp.float32,
-          like: Any = None) -> jax.Array:
+def stack(
+  values: list[Any], dtype: Any = jnp.float32, like: Any = None
+) -> jax.Array:
   """Per-leaf scalars into one vector, behind an optimization barrier (XLA
   would otherwise fuse every leaf's reduction into one stacking kernel).
 

@@ -8,7 +8,8 @@ that the rate is measurable: ``clipped / count``.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +23,18 @@ class ClipWithL2State(NamedTuple):
   """State of :func:`clip_with_l2`."""
 
   count: jax.Array  # shape=(), dtype=int32: steps seen
-  clipped: jax.Array  # shape=(), dtype=int32: steps whose norm exceeded max_norm
+  clipped: (
+    jax.Array
+  )  # shape=(), dtype=int32: steps whose norm exceeded max_norm
   last_norm: jax.Array  # shape=(), dtype=float32: global norm before clipping
 
   def metrics(self) -> dict[str, jax.Array]:
-    return {"clip_rate": self.clipped.astype(jnp.float32) / jnp.maximum(
-        self.count.astype(jnp.float32), 1.0),
-            "clipped_steps": self.clipped, "grad_norm": self.last_norm}
+    return {
+      "clip_rate": self.clipped.astype(jnp.float32)
+      / jnp.maximum(self.count.astype(jnp.float32), 1.0),
+      "clipped_steps": self.clipped,
+      "grad_norm": self.last_norm,
+    }
 
 
 def clip_factor(norm: jax.Array, max_norm) -> jax.Array:
@@ -50,10 +56,14 @@ def _leaf_sums(arrays: list[jax.Array]) -> list[jax.Array]:
     # into an all-gather of the partial sums; separate sums all-reduce.
     return [jnp.sum(x) for x in arrays]
   zero = np.float32(0)
-  return list(jax.lax.reduce(
-      tuple(arrays), tuple(zero for _ in arrays),
+  return list(
+    jax.lax.reduce(
+      tuple(arrays),
+      tuple(zero for _ in arrays),
       lambda xs, ys: tuple(x + y for x, y in zip(xs, ys)),
-      tuple(range(arrays[0].ndim))))
+      tuple(range(arrays[0].ndim)),
+    )
+  )
 
 
 def _total(values: list[jax.Array]) -> jax.Array:
@@ -66,12 +76,16 @@ def _total(values: list[jax.Array]) -> jax.Array:
   """
   if not values:
     return jnp.zeros((), jnp.float32)
-  return jnp.dot(jnp.stack(values), jnp.ones((len(values),), jnp.float32),
-                 precision=jax.lax.Precision.HIGHEST)
+  return jnp.dot(
+    jnp.stack(values),
+    jnp.ones((len(values),), jnp.float32),
+    precision=jax.lax.Precision.HIGHEST,
+  )
 
 
-def norm_with_l2(g_leaves: list[jax.Array], p_leaves: Optional[list[Any]],
-                 l2: Any) -> jax.Array:
+def norm_with_l2(
+  g_leaves: list[jax.Array], p_leaves: list[Any] | None, l2: Any
+) -> jax.Array:
   """``||g + l2 p||`` over all leaves, from reductions over the inputs only.
 
   ``|g|^2 + 2 l2 <g, p> + l2^2 |p|^2`` (``p_leaves=None``: ``|g|^2``): every
@@ -88,8 +102,9 @@ def norm_with_l2(g_leaves: list[jax.Array], p_leaves: Optional[list[Any]],
       per_leaf.append(_leaf_sums([_common.abs_sq(g)])[0])
       continue
     p = jnp.asarray(p_leaves[i]).astype(g.dtype)
-    gg, gp, pp = _leaf_sums([_common.abs_sq(g), jnp.real(g * jnp.conj(p)),
-                             _common.abs_sq(p)])
+    gg, gp, pp = _leaf_sums(
+      [_common.abs_sq(g), jnp.real(g * jnp.conj(p)), _common.abs_sq(p)]
+    )
     per_leaf.append(gg + 2 * l2 * gp + l2 * l2 * pp)
   return jnp.sqrt(jnp.maximum(_total(per_leaf), 0.0))
 
@@ -99,19 +114,22 @@ def global_norm32(tree) -> jax.Array:
   return norm_with_l2(jax.tree.leaves(tree), None, 0.0)
 
 
-def next_state(state: ClipWithL2State, norm: jax.Array,
-               max_norm) -> ClipWithL2State:
+def next_state(
+  state: ClipWithL2State, norm: jax.Array, max_norm
+) -> ClipWithL2State:
   """The state after a step whose norm before clipping was ``norm``."""
   return ClipWithL2State(
-      count=optax.safe_increment(state.count),
-      clipped=jnp.where(norm > max_norm, optax.safe_increment(state.clipped),
-                        state.clipped),
-      last_norm=norm.astype(jnp.float32))
+    count=optax.safe_increment(state.count),
+    clipped=jnp.where(
+      norm > max_norm, optax.safe_increment(state.clipped), state.clipped
+    ),
+    last_norm=norm.astype(jnp.float32),
+  )
 
 
 def clip_with_l2(
-    max_norm: float = 1.0,
-    l2: Optional[float] = None,
+  max_norm: float = 1.0,
+  l2: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adds coupled L2 regularisation, then clips by the global norm.
 
@@ -162,9 +180,10 @@ def clip_with_l2(
   def init_fn(params):
     del params
     return ClipWithL2State(
-        count=jnp.zeros([], jnp.int32),
-        clipped=jnp.zeros([], jnp.int32),
-        last_norm=jnp.zeros([], jnp.float32))
+      count=jnp.zeros([], jnp.int32),
+      clipped=jnp.zeros([], jnp.int32),
+      last_norm=jnp.zeros([], jnp.float32),
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -172,8 +191,10 @@ def clip_with_l2(
     p_leaves = None
     if not l2_off:
       _common.require_params(
-          params, "clip_with_l2",
-          "when l2 is non-zero or traced (pass l2=None to switch it off)")
+        params,
+        "clip_with_l2",
+        "when l2 is non-zero or traced (pass l2=None to switch it off)",
+      )
       _common.check_same_structure("params", params, updates, "clip_with_l2")
       p_leaves = treedef.flatten_up_to(params)
     norm = norm_with_l2(leaves, p_leaves, l2)

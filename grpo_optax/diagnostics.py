@@ -26,13 +26,13 @@ from grpo_optax.variance import ScaleByVarianceLrState
 # the protocol by a ``metrics(self) -> dict[str, jax.Array]`` method; a state
 # type not named here reports under its class name.
 PREFIXES = {
-    ClipWithL2State: "clip",
-    ScaleByImportanceState: "importance",
-    TopKMaskState: "topk",
-    EmaThresholdMaskState: "threshold",
-    ScaleByNesterovAdamRmsState: "adaptive",
-    ScaleByVarianceLrState: "variance_lr",
-    FreezeBelowState: "freeze",
+  ClipWithL2State: "clip",
+  ScaleByImportanceState: "importance",
+  TopKMaskState: "topk",
+  EmaThresholdMaskState: "threshold",
+  ScaleByNesterovAdamRmsState: "adaptive",
+  ScaleByVarianceLrState: "variance_lr",
+  FreezeBelowState: "freeze",
 }
 
 
@@ -42,13 +42,19 @@ def _is_variable(x) -> bool:
 
 
 def _unwrap(opt_state):
-  return jax.tree.map(lambda x: x.get_value() if _is_variable(x) else x,
-                      opt_state, is_leaf=_is_variable)
+  return jax.tree.map(
+    lambda x: x.get_value() if _is_variable(x) else x,
+    opt_state,
+    is_leaf=_is_variable,
+  )
 
 
 def _is_room(x) -> bool:
-  return (isinstance(x, tuple) and hasattr(x, "_fields")
-          and callable(getattr(type(x), "metrics", None)))
+  return (
+    isinstance(x, tuple)
+    and hasattr(x, "_fields")
+    and callable(getattr(type(x), "metrics", None))
+  )
 
 
 def _label(path) -> str | None:
@@ -62,10 +68,10 @@ def _label(path) -> str | None:
 def find_states(opt_state, state_type=None) -> list[Any]:
   """All room states (of ``state_type``) inside ``opt_state``, tree order."""
   opt_state = _unwrap(opt_state)
-  found = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_room)
-           if _is_room(x)]
-  return [x for x in found
-          if state_type is None or isinstance(x, state_type)]
+  found = [
+    x for x in jax.tree.leaves(opt_state, is_leaf=_is_room) if _is_room(x)
+  ]
+  return [x for x in found if state_type is None or isinstance(x, state_type)]
 
 
 def metrics(opt_state) -> dict[str, jax.Array]:
@@ -90,7 +96,8 @@ def metrics(opt_state) -> dict[str, jax.Array]:
   opt_state = _unwrap(opt_state)
   named = []
   for path, s in jax.tree_util.tree_flatten_with_path(
-      opt_state, is_leaf=_is_room)[0]:
+    opt_state, is_leaf=_is_room
+  )[0]:
     if not _is_room(s):
       continue
     room = PREFIXES.get(type(s), type(s).__name__)
@@ -131,13 +138,15 @@ def frozen_mask(opt_state, like: Any = None) -> Any:
   states = find_states(opt_state, FreezeBelowState)
   if len(states) != 1:
     raise ValueError(
-        "frozen_mask: expected exactly one freeze_below stage in opt_state,"
-        f" found {len(states)}")
+      "frozen_mask: expected exactly one freeze_below stage in opt_state,"
+      f" found {len(states)}"
+    )
   frozen = states[0].frozen
   if like is None:
     return frozen
-  return jax.tree.unflatten(jax.tree.structure(like),
-                            [frozen[i] for i in range(frozen.shape[0])])
+  return jax.tree.unflatten(
+    jax.tree.structure(like), [frozen[i] for i in range(frozen.shape[0])]
+  )
 
 
 def importance_converged(opt_state, std_below: float = 0.05) -> jax.Array:
@@ -161,8 +170,10 @@ def importance_converged(opt_state, std_below: float = 0.05) -> jax.Array:
     raise ValueError(f"std_below must be in (0, inf); got {std_below!r}")
   states = find_states(opt_state, ScaleByImportanceState)
   if not states:
-    raise ValueError("importance_converged: no scale_by_importance stage (or"
-                     " grpo with importance) in opt_state")
+    raise ValueError(
+      "importance_converged: no scale_by_importance stage (or"
+      " grpo with importance) in opt_state"
+    )
   ok = jnp.asarray(True)
   for s in states:
     ok = ok & (s.count > 0) & (s.score_std < std_below)

@@ -9,7 +9,7 @@ decision so that a training step can also stop computing those gradients
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,15 +34,17 @@ class FreezeBelowState(NamedTuple):
   def metrics(self) -> dict[str, jax.Array]:
     n = self.frozen.shape[0]
     k = jnp.sum(self.frozen, dtype=jnp.int32)
-    return {"frozen_leaves": k,
-            "frozen_fraction": k.astype(jnp.float32) / max(n, 1),
-            "importance": self.importance.astype(jnp.float32)}
+    return {
+      "frozen_leaves": k,
+      "frozen_fraction": k.astype(jnp.float32) / max(n, 1),
+      "importance": self.importance.astype(jnp.float32),
+    }
 
 
 def freeze_below(
-    threshold: float = 0.3,
-    decay: float = 0.9,
-    warmup_steps: int = 100,
+  threshold: float = 0.3,
+  decay: float = 0.9,
+  warmup_steps: int = 100,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Freezes leaves whose normalised importance stays below a threshold.
 
@@ -92,14 +94,16 @@ def freeze_below(
 
   def init_fn(params):
     return FreezeBelowState(
-        count=jnp.zeros([], jnp.int32),
-        importance=_common.leaf_scalars(params),
-        frozen=_common.leaf_scalars(params, False, bool))
+      count=jnp.zeros([], jnp.int32),
+      importance=_common.leaf_scalars(params),
+      frozen=_common.leaf_scalars(params, False, bool),
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    _common.require_params(params, "freeze_below",
-                           "(importance is mean |g * p| per leaf)")
+    _common.require_params(
+      params, "freeze_below", "(importance is mean |g * p| per leaf)"
+    )
     _common.check_same_structure("params", params, updates, "freeze_below")
     t = state.count
     leaves, treedef = jax.tree.flatten(updates)
@@ -107,27 +111,41 @@ def freeze_below(
     imp = _common.unstack(state.importance)
     frozen = _common.unstack(state.frozen)
     if len(imp) != len(leaves):
-      raise ValueError(f"freeze_below: the state was built for {len(imp)} "
-                       f"leaves but the updates have {len(leaves)}")
+      raise ValueError(
+        f"freeze_below: the state was built for {len(imp)} "
+        f"leaves but the updates have {len(leaves)}"
+      )
     bc = _common.bias_correction(decay, optax.safe_increment(t))
     # mean |g p| on a fixed grid sample of the leaf (local to each shard).
-    new_imp = [decay * i + (1 - decay) * _common.mean32(jnp.abs(
-        _common.strided_sample(g).astype(jnp.float32)
-        * _common.strided_sample(p).astype(jnp.float32)))
-               for g, p, i in zip(leaves, p_leaves, imp)]
+    new_imp = [
+      decay * i
+      + (1 - decay)
+      * _common.mean32(
+        jnp.abs(
+          _common.strided_sample(g).astype(jnp.float32)
+          * _common.strided_sample(p).astype(jnp.float32)
+        )
+      )
+      for g, p, i in zip(leaves, p_leaves, imp)
+    ]
     # Mean over the leaves that are still trainable: a frozen leaf's gradient
     # may no longer be computed (frozen_train_step), so it must not drag the mean.
     active = [jnp.logical_not(f).astype(jnp.float32) for f in frozen]
-    mean_imp = (sum((i / bc * a for i, a in zip(new_imp, active)),
-                    jnp.zeros((), jnp.float32))
-                / jnp.maximum(sum(active, jnp.zeros((), jnp.float32)), 1.0))
+    mean_imp = sum(
+      (i / bc * a for i, a in zip(new_imp, active)), jnp.zeros((), jnp.float32)
+    ) / jnp.maximum(sum(active, jnp.zeros((), jnp.float32)), 1.0)
     may_freeze = t >= jnp.asarray(warmup_steps, t.dtype)
-    new_frozen = [f | (may_freeze & ((i / bc) / (mean_imp + 1e-30) < threshold))
-                  for f, i in zip(frozen, new_imp)]
-    outs = [jnp.where(f, jnp.zeros_like(g), g) for g, f in zip(leaves, new_frozen)]
+    new_frozen = [
+      f | (may_freeze & ((i / bc) / (mean_imp + 1e-30) < threshold))
+      for f, i in zip(frozen, new_imp)
+    ]
+    outs = [
+      jnp.where(f, jnp.zeros_like(g), g) for g, f in zip(leaves, new_frozen)
+    ]
     return treedef.unflatten(outs), FreezeBelowState(
-        count=optax.safe_increment(t),
-        importance=_common.stack(new_imp),
-        frozen=_common.stack(new_frozen, bool))
+      count=optax.safe_increment(t),
+      importance=_common.stack(new_imp),
+      frozen=_common.stack(new_frozen, bool),
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -35,7 +35,8 @@ layout at about 1.8x (``docs/design.md``, "Where fusion happens"):
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +54,9 @@ MASKS = ("topk", "threshold")
 class FusedState(NamedTuple):
   """State of :func:`clip_mask_adam`: the three rooms' own states."""
 
-  clip: Optional[clipping.ClipWithL2State]  # None without clipping
+  clip: clipping.ClipWithL2State | None  # None without clipping
   # None without a mask
-  mask: Optional[sparsify.TopKMaskState | sparsify.EmaThresholdMaskState]
+  mask: sparsify.TopKMaskState | sparsify.EmaThresholdMaskState | None
   adaptive: momentum.ScaleByNesterovAdamRmsState
 
 
@@ -97,14 +98,22 @@ def _init_mask(params, cfg: _Mask):
   one = None if cfg.error_feedback else jnp.ones([], jnp.float32)
   if cfg.kind == "topk":
     return sparsify.TopKMaskState(
-        count=jnp.zeros([], jnp.int32), accumulator=acc, thresholds=zeros,
-        frequency=None, kept_fraction=one)
+      count=jnp.zeros([], jnp.int32),
+      accumulator=acc,
+      thresholds=zeros,
+      frequency=None,
+      kept_fraction=one,
+    )
   return sparsify.EmaThresholdMaskState(
-      count=jnp.zeros([], jnp.int32), accumulator=acc, thresholds=zeros,
-      tau=tau, kept_fraction=one)
+    count=jnp.zeros([], jnp.int32),
+    accumulator=acc,
+    thresholds=zeros,
+    tau=tau,
+    kept_fraction=one,
+  )
 
 
-def _clip_phase(g_leaves, p_leaves, cfg: Optional[_Clip], state):
+def _clip_phase(g_leaves, p_leaves, cfg: _Clip | None, state):
   """``a = (g + l2 p) * min(1, max_norm / ||g + l2 p||)`` and the clip state."""
   if cfg is None:
     return list(g_leaves), None
@@ -117,7 +126,7 @@ def _clip_phase(g_leaves, p_leaves, cfg: Optional[_Clip], state):
   return out, clipping.next_state(state, norm, cfg.max_norm)
 
 
-def _mask_phase(x_leaves, cfg: Optional[_Mask], state, treedef):
+def _mask_phase(x_leaves, cfg: _Mask | None, state, treedef):
   """Accumulated gradients, thresholds and the new mask state.
 
   Returns ``(a_leaves, thresholds, new_state)``; ``thresholds`` is None
@@ -127,8 +136,11 @@ def _mask_phase(x_leaves, cfg: Optional[_Mask], state, treedef):
   if cfg is None:
     return x_leaves, None, None
   t = state.count
-  accs = (treedef.flatten_up_to(state.accumulator) if cfg.error_feedback
-          else [None] * len(x_leaves))
+  accs = (
+    treedef.flatten_up_to(state.accumulator)
+    if cfg.error_feedback
+    else [None] * len(x_leaves)
+  )
   a_leaves = []
   for x, acc, th in zip(x_leaves, accs, _common.unstack(state.thresholds)):
     a = sparsify.accumulate(x, acc, th).astype(x.dtype)
@@ -139,24 +151,33 @@ def _mask_phase(x_leaves, cfg: Optional[_Mask], state, treedef):
   if cfg.kind == "topk":
     frac = sparsify.warmup_fraction(cfg.fraction, cfg.warmup_steps, t)
     thr, kept = sparsify.topk_leaf_thresholds(
-        a_leaves, dense, frac, cfg.seed, t, with_kept=not cfg.error_feedback)
+      a_leaves, dense, frac, cfg.seed, t, with_kept=not cfg.error_feedback
+    )
     extra = {"frequency": None}
   else:
     thr, tau = sparsify.threshold_leaf_thresholds(
-        a_leaves, dense, _common.unstack(state.tau), cfg.alpha, t, cfg.every,
-        cfg.scale)
+      a_leaves,
+      dense,
+      _common.unstack(state.tau),
+      cfg.alpha,
+      t,
+      cfg.every,
+      cfg.scale,
+    )
     extra = {"tau": _common.stack(tau, like=state.tau)}
     if not cfg.error_feedback:
       kept = [sparsify.sampled_kept(a, th) for a, th in zip(a_leaves, thr)]
   new_state = type(state)(
-      count=optax.safe_increment(t),
-      accumulator=(treedef.unflatten(a_leaves) if cfg.error_feedback
-                   else None),
-      thresholds=_common.stack(thr, like=state.thresholds),
-      kept_fraction=(None if kept is None
-                     else sparsify.size_weighted(kept, sizes)
-                     + 0 * state.kept_fraction),
-      **extra)
+    count=optax.safe_increment(t),
+    accumulator=(treedef.unflatten(a_leaves) if cfg.error_feedback else None),
+    thresholds=_common.stack(thr, like=state.thresholds),
+    kept_fraction=(
+      None
+      if kept is None
+      else sparsify.size_weighted(kept, sizes) + 0 * state.kept_fraction
+    ),
+    **extra,
+  )
   return a_leaves, thr, new_state
 
 
@@ -165,7 +186,8 @@ def _masked(a, thr, for_moments: bool):
   if thr is None:
     return a
   kept, dropped = sparsify.split_by_mask(
-      a, sparsify.keep_mask(a, thr.astype(a.dtype)))
+    a, sparsify.keep_mask(a, thr.astype(a.dtype))
+  )
   return kept if for_moments else a - dropped
 
 
@@ -177,8 +199,7 @@ def _adam_phase(a_leaves, thr, cfg: _Adam, state, u_dtypes):
   bc1_next = _common.bias_correction(cfg.b1, optax.safe_increment(t1))
   thr = [None] * len(a_leaves) if thr is None else thr
   mus, nus, outs = [], [], []
-  for a, th, mu, nu, dtype in zip(a_leaves, thr, state.mu, state.nu,
-                                  u_dtypes):
+  for a, th, mu, nu, dtype in zip(a_leaves, thr, state.mu, state.nu, u_dtypes):
     wide = lambda x, v=nu: x.astype(jnp.promote_types(x.dtype, v.dtype))
     m = wide(_masked(a, th, True))
     mu_new = _common.ema(mu, m, cfg.b1)
@@ -187,15 +208,25 @@ def _adam_phase(a_leaves, thr, cfg: _Adam, state, u_dtypes):
     nus.append(nu_new.astype(nu.dtype))
     g = wide(_masked(a, th, False))
     if cfg.nesterov:
-      mu_hat = momentum.nesterov_moment(mu_new, g, cfg.b1,
-                                        bc1.astype(mu_new.dtype),
-                                        bc1_next.astype(mu_new.dtype))
+      mu_hat = momentum.nesterov_moment(
+        mu_new,
+        g,
+        cfg.b1,
+        bc1.astype(mu_new.dtype),
+        bc1_next.astype(mu_new.dtype),
+      )
     else:
       mu_hat = mu_new / bc1.astype(mu_new.dtype)
     nu_hat = nu_new / bc2.astype(nu_new.dtype)
-    u = momentum.adam_rms_mix(mu_hat, nu_hat,
-                              nu_hat if cfg.rms_bias_correction else nu_new,
-                              g, cfg.eps, cfg.eps_root, cfg.adam_weight)
+    u = momentum.adam_rms_mix(
+      mu_hat,
+      nu_hat,
+      nu_hat if cfg.rms_bias_correction else nu_new,
+      g,
+      cfg.eps,
+      cfg.eps_root,
+      cfg.adam_weight,
+    )
     outs.append(u.astype(dtype))
   return outs, mus, nus, t1
 
@@ -214,8 +245,9 @@ def _encode(fmt, tree):
   return tree if fmt is None else quantization.tree_encode(fmt, tree)
 
 
-def clip_mask_adam(*, clip: Optional[_Clip], mask: Optional[_Mask],
-                   adam: _Adam) -> optax.GradientTransformationExtraArgs:
+def clip_mask_adam(
+  *, clip: _Clip | None, mask: _Mask | None, adam: _Adam
+) -> optax.GradientTransformationExtraArgs:
   """The fused clip + mask + error feedback + Adam transform.
 
   Built by :func:`grpo_optax.grpo` (arguments validated there); equal to the
@@ -224,16 +256,23 @@ def clip_mask_adam(*, clip: Optional[_Clip], mask: Optional[_Mask],
 
   def init_fn(params):
     return FusedState(
-        clip=(clipping.ClipWithL2State(
-            count=jnp.zeros([], jnp.int32), clipped=jnp.zeros([], jnp.int32),
-            last_norm=jnp.zeros([], jnp.float32)) if clip is not None
-              else None),
-        mask=_init_mask(params, mask) if mask is not None else None,
-        adaptive=momentum.ScaleByNesterovAdamRmsState(
-            count=jnp.zeros([], jnp.int32),
-            mu=_init_moment(params, adam.mu_dtype, adam.mu_format),
-            nu=_init_moment(params, adam.nu_dtype, adam.nu_format),
-            filtered=None))
+      clip=(
+        clipping.ClipWithL2State(
+          count=jnp.zeros([], jnp.int32),
+          clipped=jnp.zeros([], jnp.int32),
+          last_norm=jnp.zeros([], jnp.float32),
+        )
+        if clip is not None
+        else None
+      ),
+      mask=_init_mask(params, mask) if mask is not None else None,
+      adaptive=momentum.ScaleByNesterovAdamRmsState(
+        count=jnp.zeros([], jnp.int32),
+        mu=_init_moment(params, adam.mu_dtype, adam.mu_format),
+        nu=_init_moment(params, adam.nu_dtype, adam.nu_format),
+        filtered=None,
+      ),
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -241,33 +280,40 @@ def clip_mask_adam(*, clip: Optional[_Clip], mask: Optional[_Mask],
     for g in g_leaves:
       if not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
         raise TypeError(
-            f"grpo: gradients must be floating-point or complex, got a leaf "
-            f"of dtype {jnp.result_type(g)} (shape {jnp.shape(g)}); leave "
-            "integer arrays out of the optimized tree (e.g. "
-            "nnx.Optimizer(..., wrt=nnx.Param) or optax.masked)")
+          f"grpo: gradients must be floating-point or complex, got a leaf "
+          f"of dtype {jnp.result_type(g)} (shape {jnp.shape(g)}); leave "
+          "integer arrays out of the optimized tree (e.g. "
+          "nnx.Optimizer(..., wrt=nnx.Param) or optax.masked)"
+        )
     p_leaves = None
     if clip is not None and clip.l2 is not None:
       _common.require_params(params, "grpo", "when l2 is on")
       _common.check_same_structure("params", params, updates, "grpo")
       p_leaves = treedef.flatten_up_to(params)
     x_leaves, clip_state = _clip_phase(g_leaves, p_leaves, clip, state.clip)
-    a_leaves, thr, mask_state = _mask_phase(x_leaves, mask, state.mask,
-                                            treedef)
+    a_leaves, thr, mask_state = _mask_phase(x_leaves, mask, state.mask, treedef)
     ad = state.adaptive
     mu_old = _decode(adam.mu_format, ad.mu)
     nu_old = _decode(adam.nu_format, ad.nu)
     outs, mus, nus, t1 = _adam_phase(
-        a_leaves, thr, adam,
-        ad._replace(mu=treedef.flatten_up_to(mu_old),
-                    nu=treedef.flatten_up_to(nu_old)),
-        [g.dtype for g in g_leaves])
+      a_leaves,
+      thr,
+      adam,
+      ad._replace(
+        mu=treedef.flatten_up_to(mu_old), nu=treedef.flatten_up_to(nu_old)
+      ),
+      [g.dtype for g in g_leaves],
+    )
     new_state = FusedState(
-        clip=clip_state, mask=mask_state,
-        adaptive=momentum.ScaleByNesterovAdamRmsState(
-            count=t1,
-            mu=_encode(adam.mu_format, treedef.unflatten(mus)),
-            nu=_encode(adam.nu_format, treedef.unflatten(nus)),
-            filtered=None))
+      clip=clip_state,
+      mask=mask_state,
+      adaptive=momentum.ScaleByNesterovAdamRmsState(
+        count=t1,
+        mu=_encode(adam.mu_format, treedef.unflatten(mus)),
+        nu=_encode(adam.nu_format, treedef.unflatten(nus)),
+        filtered=None,
+      ),
+    )
     return treedef.unflatten(outs), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -10,7 +10,8 @@ parameter (Molchanov et al., 2019).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,20 +25,31 @@ class ScaleByImportanceState(NamedTuple):
   """State of :func:`scale_by_importance`."""
 
   count: jax.Array  # shape=(), dtype=int32
-  hessian: Optional[optax.Updates]  # EMA of g**2 (Fisher diagonal); None if order 1
+  hessian: (
+    optax.Updates | None
+  )  # EMA of g**2 (Fisher diagonal); None if order 1
   score: optax.Updates  # EMA of the Taylor score s
   weight_mean: jax.Array  # shape=(), float32: mean weight over all elements
   weight_std: jax.Array  # shape=(), float32: std of the weights
   score_std: jax.Array  # shape=(), float32: std of S/mean(S) over all elements
 
   def metrics(self) -> dict[str, jax.Array]:
-    parts = [_common.strided_sample(s).astype(jnp.float32) / (
-        _common.mean32(s) + 1e-12) for s in jax.tree.leaves(self.score)
-             if s.size]
-    return {"weight_mean": self.weight_mean, "weight_std": self.weight_std,
-            "score_std": self.score_std,
-            "weights": (jnp.concatenate([x.reshape(-1) for x in parts])
-                        if parts else jnp.zeros((0,), jnp.float32))}
+    parts = [
+      _common.strided_sample(s).astype(jnp.float32)
+      / (_common.mean32(s) + 1e-12)
+      for s in jax.tree.leaves(self.score)
+      if s.size
+    ]
+    return {
+      "weight_mean": self.weight_mean,
+      "weight_std": self.weight_std,
+      "score_std": self.score_std,
+      "weights": (
+        jnp.concatenate([x.reshape(-1) for x in parts])
+        if parts
+        else jnp.zeros((0,), jnp.float32)
+      ),
+    }
 
 
 def per_head(entropy: jax.Array, axis: int, ndim: int) -> jax.Array:
@@ -62,7 +74,7 @@ def per_head(entropy: jax.Array, axis: int, ndim: int) -> jax.Array:
   return entropy.reshape(shape)
 
 
-def _static_order(order: Any) -> Optional[int]:
+def _static_order(order: Any) -> int | None:
   """``order`` as a Python int if given as a number, ``None`` for an array.
 
   The order is structural (order 1 keeps no Fisher buffer), so it is decided
@@ -79,10 +91,10 @@ def _static_order(order: Any) -> Optional[int]:
 
 
 def scale_by_importance(
-    order: int = 2,
-    decay: float = 0.9,
-    min_weight: float = 0.1,
-    max_weight: float = 10.0,
+  order: int = 2,
+  decay: float = 0.9,
+  min_weight: float = 0.1,
+  max_weight: float = 10.0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Weights each update element by its Taylor importance.
 
@@ -151,61 +163,85 @@ def scale_by_importance(
   _common.check_range("decay", decay, 0.0, 1.0, high_inclusive=False)
   _common.check_range("min_weight", min_weight, 0.0)
   _common.check_range("max_weight", max_weight, 0.0)
-  lo, hi = _common.concrete_value(min_weight), _common.concrete_value(max_weight)
+  lo, hi = (
+    _common.concrete_value(min_weight),
+    _common.concrete_value(max_weight),
+  )
   if lo is not None and hi is not None and hi < lo:
     raise ValueError(
-        f"max_weight must be >= min_weight; got {max_weight!r} < {min_weight!r}")
+      f"max_weight must be >= min_weight; got {max_weight!r} < {min_weight!r}"
+    )
   decay = _common.f32(decay)
   min_weight = _common.f32(min_weight)
   max_weight = _common.f32(max_weight)
 
   def init_fn(params):
     return ScaleByImportanceState(
-        count=jnp.zeros([], jnp.int32),
-        hessian=None if static_order == 1 else optax.tree.zeros_like(params),
-        score=optax.tree.zeros_like(params),
-        weight_mean=jnp.ones([], jnp.float32),
-        weight_std=jnp.zeros([], jnp.float32),
-        score_std=jnp.zeros([], jnp.float32))
+      count=jnp.zeros([], jnp.int32),
+      hessian=None if static_order == 1 else optax.tree.zeros_like(params),
+      score=optax.tree.zeros_like(params),
+      weight_mean=jnp.ones([], jnp.float32),
+      weight_std=jnp.zeros([], jnp.float32),
+      score_std=jnp.zeros([], jnp.float32),
+    )
 
-  def update_fn(updates, state, params=None, *, hessian_diag=None,
-                head_entropy=None, **extra_args):
+  def update_fn(
+    updates,
+    state,
+    params=None,
+    *,
+    hessian_diag=None,
+    head_entropy=None,
+    **extra_args,
+  ):
     del extra_args
-    _common.require_params(params, "scale_by_importance",
-                           "(the Taylor score is |g * p| + h p^2 / 2)")
-    _common.check_same_structure("params", params, updates,
-                                 "scale_by_importance")
+    _common.require_params(
+      params, "scale_by_importance", "(the Taylor score is |g * p| + h p^2 / 2)"
+    )
+    _common.check_same_structure(
+      "params", params, updates, "scale_by_importance"
+    )
     if hessian_diag is not None:
-      _common.check_same_structure("hessian_diag", hessian_diag, updates,
-                                   "scale_by_importance")
+      _common.check_same_structure(
+        "hessian_diag", hessian_diag, updates, "scale_by_importance"
+      )
     count_inc = optax.safe_increment(state.count)
     bc = _common.bias_correction(decay, count_inc)
     second = state.hessian is not None
     # With a traced `order` (inject_hyperparams) the state still has `hessian`.
-    use_second = (jnp.asarray(order) == 2).astype(jnp.float32) if (
-        static_order is None) else 1.0
+    use_second = (
+      (jnp.asarray(order) == 2).astype(jnp.float32)
+      if (static_order is None)
+      else 1.0
+    )
 
     g_leaves, treedef = jax.tree.flatten(updates)
     p_leaves = treedef.flatten_up_to(params)
     s_leaves = treedef.flatten_up_to(state.score)
-    h_leaves = treedef.flatten_up_to(state.hessian) if second else [None] * len(
-        g_leaves)
-    hd_leaves = (treedef.flatten_up_to(hessian_diag) if hessian_diag is not None
-                 else [None] * len(g_leaves))
+    h_leaves = (
+      treedef.flatten_up_to(state.hessian) if second else [None] * len(g_leaves)
+    )
+    hd_leaves = (
+      treedef.flatten_up_to(hessian_diag)
+      if hessian_diag is not None
+      else [None] * len(g_leaves)
+    )
     if head_entropy is not None:
       try:
         ent_leaves = treedef.flatten_up_to(head_entropy)
       except (ValueError, TypeError) as e:
         raise ValueError(
-            "scale_by_importance: `head_entropy` must have the updates' tree"
-            f" structure with None for unweighted leaves: {e}") from None
+          "scale_by_importance: `head_entropy` must have the updates' tree"
+          f" structure with None for unweighted leaves: {e}"
+        ) from None
     else:
       ent_leaves = [None] * len(g_leaves)
 
     new_h, new_s, outs = [], [], []
     stats = _common.SampledMoments()
-    for g, p, s_old, h_old, hd, ent in zip(g_leaves, p_leaves, s_leaves,
-                                          h_leaves, hd_leaves, ent_leaves):
+    for g, p, s_old, h_old, hd, ent in zip(
+      g_leaves, p_leaves, s_leaves, h_leaves, hd_leaves, ent_leaves
+    ):
       g32 = g.astype(jnp.float32)
       p32 = p.astype(jnp.float32)
       score = jnp.abs(g32 * p32)
@@ -221,7 +257,9 @@ def scale_by_importance(
       s = decay * s_old.astype(jnp.float32) + (1 - decay) * score
       new_s.append(s.astype(s_old.dtype))
       denom = _common.mean32(s) / bc + 1e-12
-      weight = lambda s_: jnp.clip((s_ / bc) / denom, min_weight, max_weight)
+      weight = lambda s_, denom=denom: jnp.clip(
+        (s_ / bc) / denom, min_weight, max_weight
+      )
       w = weight(s)
       head = 1.0
       if ent is not None:
@@ -233,19 +271,26 @@ def scale_by_importance(
       s_sample = _common.strided_sample(s)
       r_sample = (s_sample / bc) / denom
       w_sample = weight(s_sample) * _common.strided_sample(
-          jnp.broadcast_to(head, s.shape))
-      stats.add(g.size, w=w_sample, w2=w_sample * w_sample, r=r_sample,
-                r2=r_sample * r_sample)
+        jnp.broadcast_to(head, s.shape)
+      )
+      stats.add(
+        g.size,
+        w=w_sample,
+        w2=w_sample * w_sample,
+        r=r_sample,
+        r2=r_sample * r_sample,
+      )
     w_mean = stats.mean("w", 1.0)
     new_state = ScaleByImportanceState(
-        count=count_inc,
-        hessian=treedef.unflatten(new_h) if second else None,
-        score=treedef.unflatten(new_s),
-        weight_mean=w_mean,
-        weight_std=jnp.sqrt(jnp.maximum(stats.mean("w2") - w_mean ** 2, 0.0)),
-        score_std=jnp.sqrt(jnp.maximum(
-            stats.mean("r2") - stats.mean("r") ** 2, 0.0)))
+      count=count_inc,
+      hessian=treedef.unflatten(new_h) if second else None,
+      score=treedef.unflatten(new_s),
+      weight_mean=w_mean,
+      weight_std=jnp.sqrt(jnp.maximum(stats.mean("w2") - w_mean**2, 0.0)),
+      score_std=jnp.sqrt(
+        jnp.maximum(stats.mean("r2") - stats.mean("r") ** 2, 0.0)
+      ),
+    )
     return treedef.unflatten(outs), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-

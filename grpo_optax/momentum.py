@@ -8,7 +8,8 @@ optax's Adam, NAdam and RMSProp.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +25,8 @@ class ScaleByNesterovAdamRmsState(NamedTuple):
   count: jax.Array  # shape=(), dtype=int32
   mu: optax.Updates  # first moment (Adam)
   nu: optax.Updates  # second moment, shared by Adam and RMSProp
-  filtered: Optional[optax.Updates]  # noise-filter EMA, None when disabled
-  key: Optional[jax.Array] = None  # stochastic rounding's key, else None
+  filtered: optax.Updates | None  # noise-filter EMA, None when disabled
+  key: jax.Array | None = None  # stochastic rounding's key, else None
 
   def metrics(self) -> dict[str, jax.Array]:
     return {}
@@ -50,7 +51,8 @@ def adam_rms_mix(mu_hat, nu_hat, nu_rms, g, eps, eps_root, adam_weight):
 def moment_dtype(param_dtype, requested) -> Any:
   """The storage dtype of a moment: ``requested``, else the param's dtype,
   except float16, whose range (smallest normal 6e-5) underflows a squared
-  gradient: float16 params keep their moments in float32 by default."""
+  gradient: float16 params keep their moments in float32 by default.
+  """
   if requested is not None:
     return jnp.dtype(requested)
   dtype = jnp.dtype(param_dtype)
@@ -61,8 +63,9 @@ def moments_like(params, dtype) -> Any:
   """Zero moments shaped like ``params`` in :func:`moment_dtype`."""
   # zeros_like keeps a sharded param's sharding (on Explicit meshes too).
   return jax.tree.map(
-      lambda p: jnp.zeros_like(p, dtype=moment_dtype(jnp.result_type(p),
-                                                     dtype)), params)
+    lambda p: jnp.zeros_like(p, dtype=moment_dtype(jnp.result_type(p), dtype)),
+    params,
+  )
 
 
 def _decoded(fmt, stored):
@@ -71,20 +74,20 @@ def _decoded(fmt, stored):
 
 
 def scale_by_nesterov_adam_rms(
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    adam_weight: float = 0.5,
-    nesterov: bool = True,
-    filter_decay: Optional[float] = None,
-    mu_dtype: Optional[Any] = None,
-    rms_bias_correction: bool = False,
-    nu_dtype: Optional[Any] = None,
-    *,
-    mu_format: Optional[quantization.FormatLike] = None,
-    nu_format: Optional[quantization.FormatLike] = None,
-    key: Optional[jax.Array] = None,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  adam_weight: float = 0.5,
+  nesterov: bool = True,
+  filter_decay: float | None = None,
+  mu_dtype: Any | None = None,
+  rms_bias_correction: bool = False,
+  nu_dtype: Any | None = None,
+  *,
+  mu_format: quantization.FormatLike | None = None,
+  nu_format: quantization.FormatLike | None = None,
+  key: jax.Array | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Mixes a (Nesterov-)Adam update with an RMSProp update sharing one ``nu``.
 
@@ -162,20 +165,25 @@ def scale_by_nesterov_adam_rms(
   _common.check_range("eps_root", eps_root, 0.0)
   _common.check_range("adam_weight", adam_weight, 0.0, 1.0)
   if filter_decay is not None:
-    _common.check_range("filter_decay", filter_decay, 0.0, 1.0,
-                        high_inclusive=False)
+    _common.check_range(
+      "filter_decay", filter_decay, 0.0, 1.0, high_inclusive=False
+    )
   if not isinstance(nesterov, bool):
     raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
   if not isinstance(rms_bias_correction, bool):
-    raise TypeError("rms_bias_correction must be a bool, got "
-                    f"{type(rms_bias_correction).__name__}")
+    raise TypeError(
+      "rms_bias_correction must be a bool, got "
+      f"{type(rms_bias_correction).__name__}"
+    )
 
   if mu_dtype is not None and mu_format is not None:
     raise ValueError("give `mu_dtype` or `mu_format`, not both.")
   if nu_dtype is not None and nu_format is not None:
     raise ValueError("give `nu_dtype` or `nu_format`, not both.")
-  mu_fmt, nu_fmt = (None if f is None else quantization.state_format(f)
-                    for f in (mu_format, nu_format))
+  mu_fmt, nu_fmt = (
+    None if f is None else quantization.state_format(f)
+    for f in (mu_format, nu_format)
+  )
   stochastic = any(f is not None and f.stochastic for f in (mu_fmt, nu_fmt))
 
   b1 = _common.f32(b1)
@@ -188,15 +196,23 @@ def scale_by_nesterov_adam_rms(
 
   def init_fn(params):
     return ScaleByNesterovAdamRmsState(
-        count=jnp.zeros([], jnp.int32),
-        mu=(moments_like(params, mu_dtype) if mu_fmt is None
-            else quantization.tree_init(mu_fmt, params)),
-        nu=(moments_like(params, nu_dtype) if nu_fmt is None
-            else quantization.tree_init(nu_fmt, params)),
-        filtered=(None if filter_decay is None
-                  else optax.tree.zeros_like(params)),
-        key=(None if not stochastic else
-             jax.random.key(0) if key is None else key),
+      count=jnp.zeros([], jnp.int32),
+      mu=(
+        moments_like(params, mu_dtype)
+        if mu_fmt is None
+        else quantization.tree_init(mu_fmt, params)
+      ),
+      nu=(
+        moments_like(params, nu_dtype)
+        if nu_fmt is None
+        else quantization.tree_init(nu_fmt, params)
+      ),
+      filtered=(
+        None if filter_decay is None else optax.tree.zeros_like(params)
+      ),
+      key=(
+        None if not stochastic else jax.random.key(0) if key is None else key
+      ),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -214,35 +230,55 @@ def scale_by_nesterov_adam_rms(
     # gradient in their dtype before it is squared.
     mu, nu = _decoded(mu_fmt, state.mu), _decoded(nu_fmt, state.nu)
     g = jax.tree.map(
-        lambda x, v: x.astype(jnp.promote_types(x.dtype, v.dtype)), g, nu)
+      lambda x, v: x.astype(jnp.promote_types(x.dtype, v.dtype)), g, nu
+    )
     mu = optax.tree.update_moment(g, mu, b1, 1)
     nu = optax.tree.update_moment_per_elem_norm(g, nu, b2, 2)
     bc1 = _common.bias_correction(b1, count_inc)
     bc2 = _common.bias_correction(b2, count_inc)
     if nesterov:
-      bc1_next = _common.bias_correction(
-          b1, optax.safe_increment(count_inc))
+      bc1_next = _common.bias_correction(b1, optax.safe_increment(count_inc))
       mu_hat = jax.tree.map(
-          lambda m, gi: nesterov_moment(
-              m, gi, b1, bc1.astype(m.dtype), bc1_next.astype(m.dtype)), mu, g)
+        lambda m, gi: nesterov_moment(
+          m, gi, b1, bc1.astype(m.dtype), bc1_next.astype(m.dtype)
+        ),
+        mu,
+        g,
+      )
     else:
       mu_hat = jax.tree.map(lambda m: m / bc1.astype(m.dtype), mu)
 
     def mix(m_hat, v, gi):
       v_hat = v / bc2.astype(v.dtype)
-      out = adam_rms_mix(m_hat, v_hat, v_hat if rms_bias_correction else v,
-                         gi, eps, eps_root, adam_weight)
+      out = adam_rms_mix(
+        m_hat,
+        v_hat,
+        v_hat if rms_bias_correction else v,
+        gi,
+        eps,
+        eps_root,
+        adam_weight,
+      )
       return out
 
-    out = jax.tree.map(lambda m, v, gi, u: mix(m, v, gi).astype(u.dtype),
-                       mu_hat, nu, g, updates)
-    new_key, mu_key, nu_key = (jax.random.split(state.key, 3) if stochastic
-                               else (None, None, None))
-    mu = (optax.tree.cast_like(mu, state.mu) if mu_fmt is None
-          else quantization.tree_encode(mu_fmt, mu, key=mu_key))
-    nu = (optax.tree.cast_like(nu, state.nu) if nu_fmt is None
-          else quantization.tree_encode(nu_fmt, nu, key=nu_key))
+    out = jax.tree.map(
+      lambda m, v, gi, u: mix(m, v, gi).astype(u.dtype), mu_hat, nu, g, updates
+    )
+    new_key, mu_key, nu_key = (
+      jax.random.split(state.key, 3) if stochastic else (None, None, None)
+    )
+    mu = (
+      optax.tree.cast_like(mu, state.mu)
+      if mu_fmt is None
+      else quantization.tree_encode(mu_fmt, mu, key=mu_key)
+    )
+    nu = (
+      optax.tree.cast_like(nu, state.nu)
+      if nu_fmt is None
+      else quantization.tree_encode(nu_fmt, nu, key=nu_key)
+    )
     return out, ScaleByNesterovAdamRmsState(
-        count=count_inc, mu=mu, nu=nu, filtered=filtered, key=new_key)
+      count=count_inc, mu=mu, nu=nu, filtered=filtered, key=new_key
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

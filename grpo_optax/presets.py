@@ -10,7 +10,7 @@ the rooms and how to add one.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any
 
 import numpy as np
 import optax
@@ -35,59 +35,59 @@ PLACEMENTS = ("input", "output")
 # rate with coefficient 0.1, every leaf sparsified). See the docs,
 # "Defaults chosen by measurement", for why the defaults differ.
 ARTICLE_DEFAULTS = {
-    "importance": True,
-    "adam_weight": 0.5,
-    "variance_coef": 0.1,
-    "min_size": 0,
+  "importance": True,
+  "adam_weight": 0.5,
+  "variance_coef": 0.1,
+  "min_size": 0,
 }
 
 
 def grpo(
-    learning_rate: Union[float, optax.Schedule] = 1e-3,
-    *,
-    max_norm: Optional[float] = 1.0,
-    l2: Optional[float] = None,
-    weight_decay: Optional[float] = None,
-    weight_decay_mask: Any = None,
-    importance: bool = False,
-    importance_order: int = 2,
-    importance_decay: float = 0.9,
-    importance_placement: str = "input",
-    min_weight: float = 0.1,
-    max_weight: float = 10.0,
-    sparsify: Optional[str] = "topk",
-    fraction: float = 0.3,
-    topk_method: str = "sampled",
-    error_feedback: bool = True,
-    frequency_weight: Optional[float] = None,
-    min_size: int = 1024,
-    sparsify_warmup_steps: int = 0,
-    alpha: float = 0.7,
-    every: int = 100,
-    threshold_scale: float = 1.0,
-    adaptive: bool = True,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    adam_weight: float = 1.0,
-    nesterov: bool = True,
-    rms_bias_correction: bool = False,
-    filter_decay: Optional[float] = None,
-    mu_dtype: Optional[Any] = None,
-    nu_dtype: Optional[Any] = None,
-    mu_format: Optional[Any] = None,
-    nu_format: Optional[Any] = None,
-    variance_coef: Optional[float] = None,
-    variance_decay: float = 0.99,
-    variance_reduction: str = "leaf",
-    variance_normalize: bool = False,
-    variance_eps: float = 1e-12,
-    freeze_threshold: Optional[float] = None,
-    freeze_decay: float = 0.9,
-    freeze_warmup_steps: int = 100,
-    seed: int = 0,
-    fused: Optional[bool] = None,
+  learning_rate: float | optax.Schedule = 1e-3,
+  *,
+  max_norm: float | None = 1.0,
+  l2: float | None = None,
+  weight_decay: float | None = None,
+  weight_decay_mask: Any = None,
+  importance: bool = False,
+  importance_order: int = 2,
+  importance_decay: float = 0.9,
+  importance_placement: str = "input",
+  min_weight: float = 0.1,
+  max_weight: float = 10.0,
+  sparsify: str | None = "topk",
+  fraction: float = 0.3,
+  topk_method: str = "sampled",
+  error_feedback: bool = True,
+  frequency_weight: float | None = None,
+  min_size: int = 1024,
+  sparsify_warmup_steps: int = 0,
+  alpha: float = 0.7,
+  every: int = 100,
+  threshold_scale: float = 1.0,
+  adaptive: bool = True,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  adam_weight: float = 1.0,
+  nesterov: bool = True,
+  rms_bias_correction: bool = False,
+  filter_decay: float | None = None,
+  mu_dtype: Any | None = None,
+  nu_dtype: Any | None = None,
+  mu_format: Any | None = None,
+  nu_format: Any | None = None,
+  variance_coef: float | None = None,
+  variance_decay: float = 0.99,
+  variance_reduction: str = "leaf",
+  variance_normalize: bool = False,
+  variance_eps: float = 1e-12,
+  freeze_threshold: float | None = None,
+  freeze_decay: float = 0.9,
+  freeze_warmup_steps: int = 100,
+  seed: int = 0,
+  fused: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The GRPO optimizer: the articles' mechanisms as one optax transform.
 
@@ -216,10 +216,14 @@ def grpo(
     See the stages' docstrings.
   """
   _common.check_choice("grpo: sparsify", sparsify, SPARSIFIERS)
-  _common.check_choice("grpo: importance_placement", importance_placement,
-                       PLACEMENTS)
-  for name, value in (("importance", importance), ("adaptive", adaptive),
-                      ("rms_bias_correction", rms_bias_correction)):
+  _common.check_choice(
+    "grpo: importance_placement", importance_placement, PLACEMENTS
+  )
+  for name, value in (
+    ("importance", importance),
+    ("adaptive", adaptive),
+    ("rms_bias_correction", rms_bias_correction),
+  ):
     if not isinstance(value, bool):
       raise TypeError(f"grpo: {name} must be a bool, got {value!r}")
   if fused is not None and not isinstance(fused, bool):
@@ -228,39 +232,91 @@ def grpo(
   if weight_decay is not None:
     _common.check_range("grpo: weight_decay", weight_decay, 0.0)
   rooms = _rooms(**locals())
-  blockers = [name for name, on in (
+  blockers = [
+    name
+    for name, on in (
       ("topk_method='exact'", sparsify == "topk" and topk_method == "exact"),
       ("frequency_weight", sparsify == "topk" and frequency_weight is not None),
       ("filter_decay", filter_decay is not None),
-      ("a stochastic mu_format/nu_format",
-       any(f is not None and quantization.state_format(f).stochastic
-           for f in (mu_format, nu_format))),
-      ("adaptive=False", not adaptive)) if on]
+      (
+        "a stochastic mu_format/nu_format",
+        any(
+          f is not None and quantization.state_format(f).stochastic
+          for f in (mu_format, nu_format)
+        ),
+      ),
+      ("adaptive=False", not adaptive),
+    )
+    if on
+  ]
   if fused and blockers:
     raise ValueError(
-        f"grpo: fused=True cannot honour {', '.join(blockers)} (the fused "
-        "core covers clipping, the sampled top-k / EMA threshold and the Adam "
-        "step); use fused=None or fused=False")
+      f"grpo: fused=True cannot honour {', '.join(blockers)} (the fused "
+      "core covers clipping, the sampled top-k / EMA threshold and the Adam "
+      "step); use fused=None or fused=False"
+    )
   use_core = not blockers and fused is not False
   clip_on = max_norm is not None or l2 is not None
   stages = []
   if use_core and not (importance and importance_placement == "input"):
-    stages.append(_core(max_norm, l2, sparsify, fraction, error_feedback,
-                        min_size, sparsify_warmup_steps, seed, alpha, every,
-                        threshold_scale, b1, b2, eps, eps_root, adam_weight,
-                        nesterov, rms_bias_correction, mu_dtype, nu_dtype,
-                        mu_format, nu_format))
+    stages.append(
+      _core(
+        max_norm,
+        l2,
+        sparsify,
+        fraction,
+        error_feedback,
+        min_size,
+        sparsify_warmup_steps,
+        seed,
+        alpha,
+        every,
+        threshold_scale,
+        b1,
+        b2,
+        eps,
+        eps_root,
+        adam_weight,
+        nesterov,
+        rms_bias_correction,
+        mu_dtype,
+        nu_dtype,
+        mu_format,
+        nu_format,
+      )
+    )
   else:
     if clip_on:
       stages.append(rooms["clip"])
     if importance and importance_placement == "input":
       stages.append(rooms["importance"])
     if use_core:
-      stages.append(_core(None, None, sparsify, fraction, error_feedback,
-                          min_size, sparsify_warmup_steps, seed, alpha, every,
-                          threshold_scale, b1, b2, eps, eps_root, adam_weight,
-                          nesterov, rms_bias_correction, mu_dtype, nu_dtype,
-                          mu_format, nu_format))
+      stages.append(
+        _core(
+          None,
+          None,
+          sparsify,
+          fraction,
+          error_feedback,
+          min_size,
+          sparsify_warmup_steps,
+          seed,
+          alpha,
+          every,
+          threshold_scale,
+          b1,
+          b2,
+          eps,
+          eps_root,
+          adam_weight,
+          nesterov,
+          rms_bias_correction,
+          mu_dtype,
+          nu_dtype,
+          mu_format,
+          nu_format,
+        )
+      )
     else:
       if sparsify is not None:
         stages.append(rooms[sparsify])
@@ -284,96 +340,181 @@ def _check_learning_rate(learning_rate) -> None:
   v = _common.concrete_value(learning_rate)
   if v is not None and not v >= 0:
     raise ValueError(
-        f"grpo: learning_rate must be in [0, inf) (a positive step size; "
-        f"the sign is applied inside); got {learning_rate!r}")
+      f"grpo: learning_rate must be in [0, inf) (a positive step size; "
+      f"the sign is applied inside); got {learning_rate!r}"
+    )
 
 
-def _rooms(*, max_norm, l2, importance_order, importance_decay, min_weight,
-           max_weight, fraction, error_feedback, topk_method,
-           frequency_weight, min_size, sparsify_warmup_steps, seed, alpha,
-           every, threshold_scale, b1, b2, eps, eps_root, adam_weight,
-           nesterov, rms_bias_correction, filter_decay, mu_dtype, nu_dtype,
-           mu_format, nu_format, variance_coef, variance_decay, variance_eps, variance_reduction,
-           variance_normalize, freeze_threshold, freeze_decay,
-           freeze_warmup_steps, **_):
+def _rooms(
+  *,
+  max_norm,
+  l2,
+  importance_order,
+  importance_decay,
+  min_weight,
+  max_weight,
+  fraction,
+  error_feedback,
+  topk_method,
+  frequency_weight,
+  min_size,
+  sparsify_warmup_steps,
+  seed,
+  alpha,
+  every,
+  threshold_scale,
+  b1,
+  b2,
+  eps,
+  eps_root,
+  adam_weight,
+  nesterov,
+  rms_bias_correction,
+  filter_decay,
+  mu_dtype,
+  nu_dtype,
+  mu_format,
+  nu_format,
+  variance_coef,
+  variance_decay,
+  variance_eps,
+  variance_reduction,
+  variance_normalize,
+  freeze_threshold,
+  freeze_decay,
+  freeze_warmup_steps,
+  **_,
+):
   """Every room, validated (also those switched off), by name."""
   return {
-      "clip": _stage(clip_with_l2, max_norm=(
-          "max_norm", np.inf if max_norm is None else max_norm),
-                     l2=("l2", l2)),
-      "importance": _stage(
-          scale_by_importance, order=("importance_order", importance_order),
-          decay=("importance_decay", importance_decay),
-          min_weight=("min_weight", min_weight),
-          max_weight=("max_weight", max_weight)),
-      "topk": _stage(
-          top_k_mask, fraction=("fraction", fraction),
-          error_feedback=("error_feedback", error_feedback),
-          method=("topk_method", topk_method),
-          frequency_weight=("frequency_weight", frequency_weight),
-          min_size=("min_size", min_size),
-          warmup_steps=("sparsify_warmup_steps", sparsify_warmup_steps),
-          seed=("seed", seed)),
-      "threshold": _stage(
-          ema_threshold_mask, alpha=("alpha", alpha), every=("every", every),
-          scale=("threshold_scale", threshold_scale),
-          error_feedback=("error_feedback", error_feedback),
-          min_size=("min_size", min_size)),
-      "adaptive": _stage(
-          scale_by_nesterov_adam_rms, b1=("b1", b1), b2=("b2", b2),
-          eps=("eps", eps), eps_root=("eps_root", eps_root),
-          adam_weight=("adam_weight", adam_weight),
-          nesterov=("nesterov", nesterov),
-          rms_bias_correction=("rms_bias_correction", rms_bias_correction),
-          filter_decay=("filter_decay", filter_decay),
-          mu_dtype=("mu_dtype", mu_dtype), nu_dtype=("nu_dtype", nu_dtype),
-          mu_format=("mu_format", mu_format),
-          nu_format=("nu_format", nu_format)),
-      "variance": _stage(
-          scale_by_variance_lr,
-          coef=("variance_coef",
-                0.0 if variance_coef is None else variance_coef),
-          decay=("variance_decay", variance_decay),
-          eps=("variance_eps", variance_eps),
-          reduction=("variance_reduction", variance_reduction),
-          normalize=("variance_normalize", variance_normalize)),
-      "freeze": _stage(
-          freeze_below, threshold=(
-              "freeze_threshold",
-              0.0 if freeze_threshold is None else freeze_threshold),
-          decay=("freeze_decay", freeze_decay),
-          warmup_steps=("freeze_warmup_steps", freeze_warmup_steps)),
+    "clip": _stage(
+      clip_with_l2,
+      max_norm=("max_norm", np.inf if max_norm is None else max_norm),
+      l2=("l2", l2),
+    ),
+    "importance": _stage(
+      scale_by_importance,
+      order=("importance_order", importance_order),
+      decay=("importance_decay", importance_decay),
+      min_weight=("min_weight", min_weight),
+      max_weight=("max_weight", max_weight),
+    ),
+    "topk": _stage(
+      top_k_mask,
+      fraction=("fraction", fraction),
+      error_feedback=("error_feedback", error_feedback),
+      method=("topk_method", topk_method),
+      frequency_weight=("frequency_weight", frequency_weight),
+      min_size=("min_size", min_size),
+      warmup_steps=("sparsify_warmup_steps", sparsify_warmup_steps),
+      seed=("seed", seed),
+    ),
+    "threshold": _stage(
+      ema_threshold_mask,
+      alpha=("alpha", alpha),
+      every=("every", every),
+      scale=("threshold_scale", threshold_scale),
+      error_feedback=("error_feedback", error_feedback),
+      min_size=("min_size", min_size),
+    ),
+    "adaptive": _stage(
+      scale_by_nesterov_adam_rms,
+      b1=("b1", b1),
+      b2=("b2", b2),
+      eps=("eps", eps),
+      eps_root=("eps_root", eps_root),
+      adam_weight=("adam_weight", adam_weight),
+      nesterov=("nesterov", nesterov),
+      rms_bias_correction=("rms_bias_correction", rms_bias_correction),
+      filter_decay=("filter_decay", filter_decay),
+      mu_dtype=("mu_dtype", mu_dtype),
+      nu_dtype=("nu_dtype", nu_dtype),
+      mu_format=("mu_format", mu_format),
+      nu_format=("nu_format", nu_format),
+    ),
+    "variance": _stage(
+      scale_by_variance_lr,
+      coef=("variance_coef", 0.0 if variance_coef is None else variance_coef),
+      decay=("variance_decay", variance_decay),
+      eps=("variance_eps", variance_eps),
+      reduction=("variance_reduction", variance_reduction),
+      normalize=("variance_normalize", variance_normalize),
+    ),
+    "freeze": _stage(
+      freeze_below,
+      threshold=(
+        "freeze_threshold",
+        0.0 if freeze_threshold is None else freeze_threshold,
+      ),
+      decay=("freeze_decay", freeze_decay),
+      warmup_steps=("freeze_warmup_steps", freeze_warmup_steps),
+    ),
   }
 
 
-def _core(max_norm, l2, sparsify, fraction, error_feedback, min_size,
-          warmup_steps, seed, alpha, every, threshold_scale, b1, b2, eps,
-          eps_root, adam_weight, nesterov, rms_bias_correction, mu_dtype,
-          nu_dtype, mu_format=None, nu_format=None
-          ) -> optax.GradientTransformationExtraArgs:
+def _core(
+  max_norm,
+  l2,
+  sparsify,
+  fraction,
+  error_feedback,
+  min_size,
+  warmup_steps,
+  seed,
+  alpha,
+  every,
+  threshold_scale,
+  b1,
+  b2,
+  eps,
+  eps_root,
+  adam_weight,
+  nesterov,
+  rms_bias_correction,
+  mu_dtype,
+  nu_dtype,
+  mu_format=None,
+  nu_format=None,
+) -> optax.GradientTransformationExtraArgs:
   """The fused clip + mask + Adam core (arguments validated by _rooms)."""
   f32 = _common.f32
   clip = None
   if max_norm is not None or l2 is not None:
     l2_on = l2 is not None and not _common.is_static_zero(l2)
     clip = fused_lib._Clip(  # pylint: disable=protected-access
-        max_norm=f32(np.inf if max_norm is None else max_norm),
-        l2=f32(l2) if l2_on else None)
+      max_norm=f32(np.inf if max_norm is None else max_norm),
+      l2=f32(l2) if l2_on else None,
+    )
   mask = None
   if sparsify is not None:
     mask = fused_lib._Mask(  # pylint: disable=protected-access
-        kind=sparsify, fraction=f32(fraction), error_feedback=error_feedback,
-        min_size=min_size, warmup_steps=warmup_steps, seed=seed,
-        alpha=f32(alpha), every=every, scale=f32(threshold_scale))
+      kind=sparsify,
+      fraction=f32(fraction),
+      error_feedback=error_feedback,
+      min_size=min_size,
+      warmup_steps=warmup_steps,
+      seed=seed,
+      alpha=f32(alpha),
+      every=every,
+      scale=f32(threshold_scale),
+    )
   adam = fused_lib._Adam(  # pylint: disable=protected-access
-      b1=f32(b1), b2=f32(b2), eps=f32(eps), eps_root=f32(eps_root),
-      adam_weight=f32(adam_weight), nesterov=nesterov,
-      rms_bias_correction=rms_bias_correction, mu_dtype=mu_dtype,
-      nu_dtype=nu_dtype,
-      mu_format=None if mu_format is None else quantization.state_format(
-          mu_format),
-      nu_format=None if nu_format is None else quantization.state_format(
-          nu_format))
+    b1=f32(b1),
+    b2=f32(b2),
+    eps=f32(eps),
+    eps_root=f32(eps_root),
+    adam_weight=f32(adam_weight),
+    nesterov=nesterov,
+    rms_bias_correction=rms_bias_correction,
+    mu_dtype=mu_dtype,
+    nu_dtype=nu_dtype,
+    mu_format=None
+    if mu_format is None
+    else quantization.state_format(mu_format),
+    nu_format=None
+    if nu_format is None
+    else quantization.state_format(nu_format),
+  )
   return fused_lib.clip_mask_adam(clip=clip, mask=mask, adam=adam)
 
 
@@ -386,6 +527,6 @@ def _stage(factory, **named_args):
     msg = str(e)
     for inner, (outer, _) in named_args.items():
       if msg.startswith(inner + " ") and inner != outer:
-        msg = outer + msg[len(inner):]
+        msg = outer + msg[len(inner) :]
         break
     raise type(e)(f"grpo: {msg}") from None

@@ -53,7 +53,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,7 @@ class StateFormat:
     power: exponent ``p`` of the code map (8-bit formats only).
     stochastic: whether encoding rounds stochastically (needs a key).
   """
+
   name: str
   dtype: Any
   block_size: int = 0
@@ -91,8 +93,13 @@ class StateFormat:
 FORMAT_NAMES = ("float32", "bfloat16", "bfloat16_sr", "int8", "uint8")
 DEFAULT_BLOCK_SIZE = 256
 _DEFAULT_POWER = {"int8": 2, "uint8": 2}
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
-           "bfloat16_sr": jnp.bfloat16, "int8": jnp.int8, "uint8": jnp.uint8}
+_DTYPES = {
+  "float32": jnp.float32,
+  "bfloat16": jnp.bfloat16,
+  "bfloat16_sr": jnp.bfloat16,
+  "int8": jnp.int8,
+  "uint8": jnp.uint8,
+}
 
 
 class Quantized(NamedTuple):
@@ -103,15 +110,17 @@ class Quantized(NamedTuple):
     scale: float32 absolute maximum of each block, shape
       ``x.shape[:-1] + (num_blocks,)`` (``()`` for a scalar).
   """
+
   codes: Any
   scale: Any
 
 
-FormatLike = Union[str, StateFormat]
+FormatLike = str | StateFormat
 
 
-def state_format(name: FormatLike, *, block_size: Optional[int] = None,
-                 power: Optional[int] = None) -> StateFormat:
+def state_format(
+  name: FormatLike, *, block_size: int | None = None, power: int | None = None
+) -> StateFormat:
   """The :class:`StateFormat` called ``name``.
 
   Args:
@@ -137,10 +146,13 @@ def state_format(name: FormatLike, *, block_size: Optional[int] = None,
     raise ValueError(f"`format` must be one of {FORMAT_NAMES}, got {name!r}.")
   if name not in _DEFAULT_POWER:
     if block_size is not None or power is not None:
-      raise ValueError(f"`block_size` and `power` apply to the 8-bit formats "
-                       f"only, not to {name!r}.")
-    return StateFormat(name, jnp.dtype(_DTYPES[name]),
-                       stochastic=name.endswith("_sr"))
+      raise ValueError(
+        f"`block_size` and `power` apply to the 8-bit formats "
+        f"only, not to {name!r}."
+      )
+    return StateFormat(
+      name, jnp.dtype(_DTYPES[name]), stochastic=name.endswith("_sr")
+    )
   block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
   power = _DEFAULT_POWER[name] if power is None else power
   if not isinstance(block_size, int) or block_size < 1:
@@ -155,7 +167,9 @@ def scale_shape(fmt: StateFormat, shape: tuple[int, ...]) -> tuple[int, ...]:
   if not shape:
     return ()
   n = shape[-1]
-  return tuple(shape[:-1]) + (math.ceil(n / min(fmt.block_size, n)) if n else 0,)
+  return tuple(shape[:-1]) + (
+    math.ceil(n / min(fmt.block_size, n)) if n else 0,
+  )
 
 
 def bytes_per_entry(fmt: FormatLike, shape: tuple[int, ...]) -> float:
@@ -164,8 +178,9 @@ def bytes_per_entry(fmt: FormatLike, shape: tuple[int, ...]) -> float:
   size = math.prod(shape)
   if not fmt.blocked:
     return float(fmt.dtype.itemsize)
-  return (size * fmt.dtype.itemsize
-          + 4 * math.prod(scale_shape(fmt, tuple(shape)))) / max(size, 1)
+  return (
+    size * fmt.dtype.itemsize + 4 * math.prod(scale_shape(fmt, tuple(shape)))
+  ) / max(size, 1)
 
 
 def init(fmt: FormatLike, like: Any) -> Any:
@@ -174,8 +189,9 @@ def init(fmt: FormatLike, like: Any) -> Any:
   shape = tuple(like.shape)
   if not fmt.blocked:
     return jnp.zeros(shape, fmt.dtype)
-  return Quantized(jnp.zeros(shape, fmt.dtype),
-                   jnp.zeros(scale_shape(fmt, shape), jnp.float32))
+  return Quantized(
+    jnp.zeros(shape, fmt.dtype), jnp.zeros(scale_shape(fmt, shape), jnp.float32)
+  )
 
 
 def _blocks(fmt: StateFormat, x: jax.Array) -> tuple[jax.Array, int]:
@@ -193,7 +209,7 @@ def _blocks(fmt: StateFormat, x: jax.Array) -> tuple[jax.Array, int]:
 def _unblock(blocks: jax.Array, pad: int, shape: tuple[int, ...]) -> jax.Array:
   x = blocks.reshape(blocks.shape[:-2] + (-1,))
   if pad:
-    x = x[..., :x.shape[-1] - pad]
+    x = x[..., : x.shape[-1] - pad]
   return x.reshape(shape)
 
 
@@ -253,8 +269,9 @@ def _round_bf16_stochastic(x: jax.Array, key: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(x), out, x.astype(jnp.bfloat16))
 
 
-def encode(fmt: FormatLike, x: jax.Array, *,
-           key: Optional[jax.Array] = None) -> Any:
+def encode(
+  fmt: FormatLike, x: jax.Array, *, key: jax.Array | None = None
+) -> Any:
   r"""Stores ``x`` in format ``fmt``.
 
   Float formats cast (``"bfloat16_sr"`` rounds stochastically with ``key``).
@@ -279,8 +296,10 @@ def encode(fmt: FormatLike, x: jax.Array, *,
     return _encode_blocked(fmt, x)
   if fmt.stochastic:
     if key is None:
-      raise ValueError(f"format {fmt.name!r} rounds stochastically: `key` "
-                       "must be a PRNG key, got None.")
+      raise ValueError(
+        f"format {fmt.name!r} rounds stochastically: `key` "
+        "must be a PRNG key, got None."
+      )
     return _round_bf16_stochastic(x, key)
   return x.astype(fmt.dtype)
 
@@ -300,12 +319,15 @@ def decode(fmt: FormatLike, stored: Any) -> jax.Array:
 def tree_init(fmt: FormatLike, params: Any) -> Any:
   """Zeros for every leaf of ``params``; ``Quantized(codes, scale)`` trees
   for the 8-bit formats (built by tree maps over ``params``, so
-  ``optax.tree.map_params`` finds both trees)."""
+  ``optax.tree.map_params`` finds both trees).
+  """
   fmt = state_format(fmt)
   if not fmt.blocked:
     return jax.tree.map(lambda p: init(fmt, p), params)
-  return Quantized(jax.tree.map(lambda p: init(fmt, p).codes, params),
-                   jax.tree.map(lambda p: init(fmt, p).scale, params))
+  return Quantized(
+    jax.tree.map(lambda p: init(fmt, p).codes, params),
+    jax.tree.map(lambda p: init(fmt, p).scale, params),
+  )
 
 
 def tree_decode(fmt: FormatLike, stored: Any) -> Any:
@@ -313,29 +335,40 @@ def tree_decode(fmt: FormatLike, stored: Any) -> Any:
   fmt = state_format(fmt)
   if not fmt.blocked:
     return jax.tree.map(lambda s: decode(fmt, s), stored)
-  return jax.tree.map(lambda c, s: decode(fmt, Quantized(c, s)),
-                      stored.codes, stored.scale)
+  return jax.tree.map(
+    lambda c, s: decode(fmt, Quantized(c, s)), stored.codes, stored.scale
+  )
 
 
-def tree_encode(fmt: FormatLike, tree: Any, *,
-                key: Optional[jax.Array] = None) -> Any:
+def tree_encode(
+  fmt: FormatLike, tree: Any, *, key: jax.Array | None = None
+) -> Any:
   """Stores every leaf of ``tree`` (leaf ``i`` rounds with
-  ``fold_in(key, i)`` in stochastic formats)."""
+  ``fold_in(key, i)`` in stochastic formats).
+  """
   fmt = state_format(fmt)
   leaves, treedef = jax.tree.flatten(tree)
-  keys = ([None] * len(leaves) if not fmt.stochastic or key is None else
-          [jax.random.fold_in(key, i) for i in range(len(leaves))])
+  keys = (
+    [None] * len(leaves)
+    if not fmt.stochastic or key is None
+    else [jax.random.fold_in(key, i) for i in range(len(leaves))]
+  )
   if fmt.stochastic and key is None:
-    raise ValueError(f"format {fmt.name!r} rounds stochastically: `key` "
-                     "must be a PRNG key, got None.")
+    raise ValueError(
+      f"format {fmt.name!r} rounds stochastically: `key` "
+      "must be a PRNG key, got None."
+    )
   stored = [encode(fmt, x, key=k) for x, k in zip(leaves, keys)]
   if not fmt.blocked:
     return treedef.unflatten(stored)
-  return Quantized(treedef.unflatten([s.codes for s in stored]),
-                   treedef.unflatten([s.scale for s in stored]))
+  return Quantized(
+    treedef.unflatten([s.codes for s in stored]),
+    treedef.unflatten([s.scale for s in stored]),
+  )
 
 
 def tree_bytes(stored: Any) -> int:
   """Bytes of all arrays of a stored tree (codes and scales)."""
-  return sum(int(x.size) * jnp.dtype(x.dtype).itemsize
-             for x in jax.tree.leaves(stored))
+  return sum(
+    int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(stored)
+  )

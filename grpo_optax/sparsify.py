@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, NamedTuple, Optional
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,23 +72,26 @@ def residual_of(acc: jax.Array, threshold: jax.Array) -> jax.Array:
   return jnp.where(keep, jnp.zeros_like(acc), acc)
 
 
-def accumulate(g: jax.Array, acc: Optional[jax.Array],
-               threshold: Optional[jax.Array]) -> jax.Array:
+def accumulate(
+  g: jax.Array, acc: jax.Array | None, threshold: jax.Array | None
+) -> jax.Array:
   """``a = g + r``: the gradient plus the residual of the last step."""
   if acc is None:
     return g
   return g + residual_of(acc, threshold).astype(g.dtype)
 
 
-def ema_threshold(tau: Any, mean_abs: Any, alpha: Any, count: Any,
-                  every: Any) -> Any:
+def ema_threshold(
+  tau: Any, mean_abs: Any, alpha: Any, count: Any, every: Any
+) -> Any:
   """The EMA threshold after a step with count ``count`` (before the step).
 
   ``mean_abs`` at the first step; ``alpha * mean_abs + (1 - alpha) * tau``
   every ``every`` steps; unchanged otherwise.
   """
-  refreshed = jnp.where(count == 0, mean_abs,
-                        alpha * mean_abs + (1 - alpha) * tau)
+  refreshed = jnp.where(
+    count == 0, mean_abs, alpha * mean_abs + (1 - alpha) * tau
+  )
   refresh = (count == 0) | (count % jnp.asarray(every, count.dtype) == 0)
   return jnp.where(refresh, refreshed, tau)
 
@@ -117,7 +121,8 @@ def warmup_fraction(fraction: Any, warmup_steps: Any, count: jax.Array) -> Any:
     return fraction
   w = jnp.maximum(jnp.asarray(warmup_steps, jnp.float32), 1.0)
   frac = jnp.asarray(fraction, jnp.float32) ** (
-      jnp.minimum(count.astype(jnp.float32), w) / w)
+    jnp.minimum(count.astype(jnp.float32), w) / w
+  )
   if static is None:  # traced warmup_steps: 0 means no warm-up
     frac = jnp.where(jnp.asarray(warmup_steps) > 0, frac, fraction)
   return frac
@@ -135,8 +140,7 @@ def dense_leaf(size: int, min_size: Any) -> Any:
 
 def sample_size(n: int) -> int:
   """Size of the random sample of the sampled threshold for a leaf of ``n``."""
-  return min(n, max(_MIN_SAMPLE, min(_MAX_SAMPLE,
-                                     math.ceil(_SAMPLE_RATE * n))))
+  return min(n, max(_MIN_SAMPLE, min(_MAX_SAMPLE, math.ceil(_SAMPLE_RATE * n))))
 
 
 _OFFSET_BITS = 8  # one random word per axis position (axes >= 8 wrap)
@@ -152,33 +156,41 @@ def _random_offsets(seed: Any, count: jax.Array, strides_list) -> list[Any]:
   if not any(any(s > 1 for s in st) for st in strides_list):
     return [None] * len(strides_list)
   key = jax.random.PRNGKey(jnp.asarray(seed, jnp.uint32))
-  bits = jax.random.bits(jax.random.fold_in(key, count), (_OFFSET_BITS,),
-                         jnp.uint32)
+  bits = jax.random.bits(
+    jax.random.fold_in(key, count), (_OFFSET_BITS,), jnp.uint32
+  )
   out = []
   for strides in strides_list:
-    offs = [(bits[d % _OFFSET_BITS] % jnp.uint32(s)).astype(jnp.int32)
-            for d, s in enumerate(strides)]
+    offs = [
+      (bits[d % _OFFSET_BITS] % jnp.uint32(s)).astype(jnp.int32)
+      for d, s in enumerate(strides)
+    ]
     out.append(None if all(s == 1 for s in strides) else offs)
   return out
 
 
-def random_samples(scores: list[jax.Array], seed: Any,
-                   count: jax.Array) -> list[jax.Array]:
+def random_samples(
+  scores: list[jax.Array], seed: Any, count: jax.Array
+) -> list[jax.Array]:
   """A random grid of ``max(1024, n/100)`` (at most 65,536) entries per leaf.
 
   The grid's strides are fixed by the leaf's shape; its offsets are drawn
   afresh every step from ``(seed, count)``, one draw for all leaves, so a
   transform and the fused core given the same seed sample the same entries.
   """
-  strides = [_common.sample_strides(x.shape, sample_size(x.size))
-             for x in scores]
+  strides = [
+    _common.sample_strides(x.shape, sample_size(x.size)) for x in scores
+  ]
   offsets = _random_offsets(seed, count, strides)
-  return [_common.grid_sample(x, s, o) if o is not None else x
-          for x, s, o in zip(scores, strides, offsets)]
+  return [
+    _common.grid_sample(x, s, o) if o is not None else x
+    for x, s, o in zip(scores, strides, offsets)
+  ]
 
 
-def bisect_thresholds(samples: list[jax.Array], fraction,
-                      with_kept: bool = False):
+def bisect_thresholds(
+  samples: list[jax.Array], fraction, with_kept: bool = False
+):
   """For each sample, the value above which ``fraction`` of it lies.
 
   24 bisection steps between the sample's min and max, counting entries
@@ -214,19 +226,32 @@ def bisect_thresholds(samples: list[jax.Array], fraction,
     out = []
     for x, ax, target, (lo, hi, c_lo) in zip(stacks, axes, targets, bounds):
       mid = 0.5 * (lo + hi)
-      count = jnp.sum(x >= mid.reshape(mid.shape + (1,) * len(ax)), axis=ax,
-                      dtype=jnp.float32)
+      count = jnp.sum(
+        x >= mid.reshape(mid.shape + (1,) * len(ax)), axis=ax, dtype=jnp.float32
+      )
       keeps_enough = count >= target
-      out.append((jnp.where(keeps_enough, mid, lo),
-                  jnp.where(keeps_enough, hi, mid),
-                  jnp.where(keeps_enough, count, c_lo)))
+      out.append(
+        (
+          jnp.where(keeps_enough, mid, lo),
+          jnp.where(keeps_enough, hi, mid),
+          jnp.where(keeps_enough, count, c_lo),
+        )
+      )
     return out
 
   bounds = jax.lax.fori_loop(
-      0, _BISECTION_STEPS, body,
-      [(jnp.min(x, axis=ax), jnp.max(x, axis=ax),
-        jnp.full((x.shape[0],), x.size // x.shape[0], jnp.float32))
-       for x, ax in zip(stacks, axes)])
+    0,
+    _BISECTION_STEPS,
+    body,
+    [
+      (
+        jnp.min(x, axis=ax),
+        jnp.max(x, axis=ax),
+        jnp.full((x.shape[0],), x.size // x.shape[0], jnp.float32),
+      )
+      for x, ax in zip(stacks, axes)
+    ],
+  )
   # Keeping everything (a warm-up's first step) must not drop the entries
   # that lie below the sample's minimum.
   keep_all = jnp.asarray(fraction) >= 1
@@ -243,15 +268,26 @@ def bisect_thresholds(samples: list[jax.Array], fraction,
   return thresholds, kept
 
 
-def sampled_thresholds(abs_leaves: list[jax.Array], fraction, seed: Any,
-                       count: jax.Array, with_kept: bool = False):
+def sampled_thresholds(
+  abs_leaves: list[jax.Array],
+  fraction,
+  seed: Any,
+  count: jax.Array,
+  with_kept: bool = False,
+):
   """Per leaf, the threshold on ``|a|`` that keeps about ``fraction``."""
-  return bisect_thresholds(random_samples(abs_leaves, seed, count),
-                           fraction, with_kept)
+  return bisect_thresholds(
+    random_samples(abs_leaves, seed, count), fraction, with_kept
+  )
 
 
-def ema_taus(abs_leaves: list[jax.Array], taus: list[jax.Array], alpha,
-             count: jax.Array, every) -> list[jax.Array]:
+def ema_taus(
+  abs_leaves: list[jax.Array],
+  taus: list[jax.Array],
+  alpha,
+  count: jax.Array,
+  every,
+) -> list[jax.Array]:
   """Per leaf, the EMA threshold ``tau`` after this step.
 
   ``mean|a|`` comes from a fixed grid of about 4,096 entries of the leaf (one
@@ -259,10 +295,12 @@ def ema_taus(abs_leaves: list[jax.Array], taus: list[jax.Array], alpha,
   """
   out = []
   for x, tau in zip(abs_leaves, taus):
-    mean_abs = jnp.mean(_common.strided_sample(x, _MEAN_SAMPLE),
-                        dtype=jnp.float32)
-    out.append(ema_threshold(tau, mean_abs, alpha, count,
-                             every).astype(jnp.float32))
+    mean_abs = jnp.mean(
+      _common.strided_sample(x, _MEAN_SAMPLE), dtype=jnp.float32
+    )
+    out.append(
+      ema_threshold(tau, mean_abs, alpha, count, every).astype(jnp.float32)
+    )
   return out
 
 
@@ -276,10 +314,10 @@ def exact_kept_fraction(accumulator, thresholds) -> jax.Array:
   """Exact kept fraction of the last step, from an accumulator state."""
   kept, total = jnp.zeros((), jnp.float32), 0
   for a, th in zip(jax.tree.leaves(accumulator), _common.unstack(thresholds)):
-    n = jnp.sum(keep_mask(a, th.astype(a.dtype)) & (th >= 0),
-                dtype=jnp.float32)
-    kept = kept + jnp.where(th >= 0, n, a.size - jnp.sum(a != 0,
-                                                         dtype=jnp.float32))
+    n = jnp.sum(keep_mask(a, th.astype(a.dtype)) & (th >= 0), dtype=jnp.float32)
+    kept = kept + jnp.where(
+      th >= 0, n, a.size - jnp.sum(a != 0, dtype=jnp.float32)
+    )
     total += a.size
   return kept / total if total else jnp.ones((), jnp.float32)
 
@@ -288,21 +326,31 @@ def _residual_tree(accumulator, thresholds):
   if accumulator is None:
     return None
   leaves, treedef = jax.tree.flatten(accumulator)
-  return treedef.unflatten([residual_of(a, t) for a, t in zip(
-      leaves, _common.unstack(thresholds))])
+  return treedef.unflatten(
+    [residual_of(a, t) for a, t in zip(leaves, _common.unstack(thresholds))]
+  )
 
 
 def _mask_metrics(state) -> dict[str, jax.Array]:
   kept = state.kept_fraction
   if kept is None:
-    kept = jnp.where(state.count > 0, exact_kept_fraction(
-        state.accumulator, state.thresholds), 1.0)
+    kept = jnp.where(
+      state.count > 0,
+      exact_kept_fraction(state.accumulator, state.thresholds),
+      1.0,
+    )
   out = {"kept_fraction": kept}
   res = state.residual
   if res is not None:
-    out["residual_norm"] = jnp.sqrt(sum(
-        (jnp.sum(_common.abs_sq(x), dtype=jnp.float32)
-         for x in jax.tree.leaves(res)), jnp.zeros((), jnp.float32)))
+    out["residual_norm"] = jnp.sqrt(
+      sum(
+        (
+          jnp.sum(_common.abs_sq(x), dtype=jnp.float32)
+          for x in jax.tree.leaves(res)
+        ),
+        jnp.zeros((), jnp.float32),
+      )
+    )
   return out
 
 
@@ -316,16 +364,16 @@ class TopKMaskState(NamedTuple):
   count: jax.Array  # shape=(), dtype=int32
   # Error feedback (None when off): the last step's a = g + r, or for leaves
   # whose threshold is < 0, the residual itself.
-  accumulator: Optional[optax.Updates]
+  accumulator: optax.Updates | None
   thresholds: jax.Array  # shape=(num_leaves,), float32, tree order
-  frequency: Optional[optax.Updates]  # EMA of the kept indicator; None off
+  frequency: optax.Updates | None  # EMA of the kept indicator; None off
   # shape=(), float32: kept / total at the last step, estimated on the
   # samples (exact for the exact method); None with error feedback, where
   # metrics() reads it exactly from the accumulator
-  kept_fraction: Optional[jax.Array]
+  kept_fraction: jax.Array | None
 
   @property
-  def residual(self) -> Optional[optax.Updates]:
+  def residual(self) -> optax.Updates | None:
     """The error-feedback residual carried to the next step (None if off)."""
     return _residual_tree(self.accumulator, self.thresholds)
 
@@ -337,21 +385,22 @@ class EmaThresholdMaskState(NamedTuple):
   """State of :func:`ema_threshold_mask` (and of the fused core's)."""
 
   count: jax.Array  # shape=(), dtype=int32
-  accumulator: Optional[optax.Updates]  # as in TopKMaskState
+  accumulator: optax.Updates | None  # as in TopKMaskState
   thresholds: jax.Array  # shape=(num_leaves,), float32: scale * tau
   tau: jax.Array  # shape=(num_leaves,), float32 EMA thresholds, tree order
   # shape=(), float32, estimated on grid samples; None with error feedback
-  kept_fraction: Optional[jax.Array]
+  kept_fraction: jax.Array | None
 
   @property
-  def residual(self) -> Optional[optax.Updates]:
+  def residual(self) -> optax.Updates | None:
     """The error-feedback residual carried to the next step (None if off)."""
     return _residual_tree(self.accumulator, self.thresholds)
 
   def metrics(self) -> dict[str, jax.Array]:
     out = _mask_metrics(self)
-    out["tau_mean"] = (jnp.mean(self.tau) if self.tau.size
-                       else jnp.zeros((), jnp.float32))
+    out["tau_mean"] = (
+      jnp.mean(self.tau) if self.tau.size else jnp.zeros((), jnp.float32)
+    )
     return out
 
 
@@ -362,8 +411,9 @@ def _scalars(params, value=0.0) -> jax.Array:
 def _check_leaves(who, state_thresholds, leaves):
   if state_thresholds.shape[0] != len(leaves):
     raise ValueError(
-        f"{who}: the state was built for {state_thresholds.shape[0]} leaves but"
-        f" the updates have {len(leaves)}")
+      f"{who}: the state was built for {state_thresholds.shape[0]} leaves but"
+      f" the updates have {len(leaves)}"
+    )
 
 
 def _flat_or_none(tree, treedef, n):
@@ -374,7 +424,7 @@ def _flat_or_none(tree, treedef, n):
 # Top-k.
 
 
-def _exact_mask(score: jax.Array, fraction, static_k: Optional[int]):
+def _exact_mask(score: jax.Array, fraction, static_k: int | None):
   """Boolean mask of the ``k = ceil(fraction * n)`` largest scores (exactly k)."""
   flat = score.reshape(-1)
   n = flat.shape[0]
@@ -384,8 +434,9 @@ def _exact_mask(score: jax.Array, fraction, static_k: Optional[int]):
   else:
     k = jnp.ceil(fraction * n).astype(jnp.int32)
     order = jnp.argsort(-flat, stable=True)
-    ranks = jnp.zeros((n,), jnp.int32).at[order].set(
-        jnp.arange(n, dtype=jnp.int32))
+    ranks = (
+      jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    )
     keep = ranks < k
   return keep.reshape(score.shape)
 
@@ -393,19 +444,32 @@ def _exact_mask(score: jax.Array, fraction, static_k: Optional[int]):
 def _warn_if_sharded(x: jax.Array) -> None:
   if _common.explicit_spec(x) is not None:
     raise ValueError(
-        "top_k_mask(method='exact') sorts whole leaves and cannot take a "
-        f"leaf sharded on an Explicit mesh (spec {_common.explicit_spec(x)});"
-        " use method='sampled' (grpo's default) for sharded parameters")
+      "top_k_mask(method='exact') sorts whole leaves and cannot take a "
+      f"leaf sharded on an Explicit mesh (spec {_common.explicit_spec(x)});"
+      " use method='sampled' (grpo's default) for sharded parameters"
+    )
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is not None and not mesh.empty and x.size > 1:
     warnings.warn(
-        "top_k_mask(method='exact') sorts a whole leaf: on a sharded leaf XLA "
-        "gathers it onto every device. Use method='sampled' for sharded "
-        "parameters.", UserWarning, stacklevel=4)
+      "top_k_mask(method='exact') sorts a whole leaf: on a sharded leaf XLA "
+      "gathers it onto every device. Use method='sampled' for sharded "
+      "parameters.",
+      UserWarning,
+      stacklevel=4,
+    )
 
 
-def _score_masks(a_leaves, dense, frac, method, static_fraction, freq,
-                 frequency_weight, seed, t):
+def _score_masks(
+  a_leaves,
+  dense,
+  frac,
+  method,
+  static_fraction,
+  freq,
+  frequency_weight,
+  seed,
+  t,
+):
   """Masks of the exact or frequency-weighted top-k (not a threshold on |a|).
 
   ``static_fraction``: the kept fraction as a Python float when it is static
@@ -419,12 +483,14 @@ def _score_masks(a_leaves, dense, frac, method, static_fraction, freq,
       continue
     score = jnp.abs(a).astype(jnp.float32)
     if f is not None:
-      score = ((1 - frequency_weight) * score / (jnp.mean(score) + 1e-30)
-               - frequency_weight * f)
+      score = (1 - frequency_weight) * score / (
+        jnp.mean(score) + 1e-30
+      ) - frequency_weight * f
     if method == "exact":
       _warn_if_sharded(a)
-      static_k = (None if static_fraction is None
-                  else math.ceil(static_fraction * a.size))
+      static_k = (
+        None if static_fraction is None else math.ceil(static_fraction * a.size)
+      )
       keep = _exact_mask(score, frac, static_k) & (a != 0)
       k = jnp.sum(keep, dtype=jnp.float32) / a.size
     else:
@@ -440,15 +506,15 @@ def _score_masks(a_leaves, dense, frac, method, static_fraction, freq,
 
 
 def top_k_mask(
-    fraction: float = 0.3,
-    error_feedback: bool = True,
-    method: str = "exact",
-    frequency_weight: Optional[float] = None,
-    min_size: int = 0,
-    warmup_steps: int = 0,
-    *,
-    frequency_decay: float = 0.9,
-    seed: int = 0,
+  fraction: float = 0.3,
+  error_feedback: bool = True,
+  method: str = "exact",
+  frequency_weight: float | None = None,
+  min_size: int = 0,
+  warmup_steps: int = 0,
+  *,
+  frequency_decay: float = 0.9,
+  seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Keeps the largest ``fraction`` of each leaf's entries, with error feedback.
 
@@ -514,15 +580,17 @@ def top_k_mask(
   _common.check_choice("method", method, METHODS)
   if frequency_weight is not None:
     _common.check_range("frequency_weight", frequency_weight, 0.0, 1.0)
-  _common.check_range("frequency_decay", frequency_decay, 0.0, 1.0,
-                      high_inclusive=False)
+  _common.check_range(
+    "frequency_decay", frequency_decay, 0.0, 1.0, high_inclusive=False
+  )
   static_int("min_size", min_size, 0)
   static_warmup = static_int("warmup_steps", warmup_steps, 0)
   static_int("seed", seed, 0)
   if not isinstance(error_feedback, bool):
     raise TypeError("error_feedback must be a bool")
-  static_fraction = (_common.concrete_value(fraction) if static_warmup == 0
-                     else None)
+  static_fraction = (
+    _common.concrete_value(fraction) if static_warmup == 0 else None
+  )
   use_frequency = frequency_weight is not None
   by_threshold = method == "sampled" and not use_frequency
   fraction = _common.f32(fraction)
@@ -531,13 +599,18 @@ def top_k_mask(
 
   def init_fn(params):
     return TopKMaskState(
-        count=jnp.zeros([], jnp.int32),
-        accumulator=optax.tree.zeros_like(params) if error_feedback else None,
-        thresholds=_scalars(params),
-        frequency=(optax.tree.zeros_like(params, dtype=jnp.float32)
-                   if use_frequency else None),
-        kept_fraction=(None if error_feedback and by_threshold
-                       else jnp.ones([], jnp.float32)))
+      count=jnp.zeros([], jnp.int32),
+      accumulator=optax.tree.zeros_like(params) if error_feedback else None,
+      thresholds=_scalars(params),
+      frequency=(
+        optax.tree.zeros_like(params, dtype=jnp.float32)
+        if use_frequency
+        else None
+      ),
+      kept_fraction=(
+        None if error_feedback and by_threshold else jnp.ones([], jnp.float32)
+      ),
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -547,17 +620,28 @@ def top_k_mask(
     accs = _flat_or_none(state.accumulator, treedef, len(leaves))
     freq = _flat_or_none(state.frequency, treedef, len(leaves))
     frac = warmup_fraction(fraction, warmup_steps, t)
-    a_leaves = [accumulate(g, acc, th).astype(g.dtype) for g, acc, th in zip(
-        leaves, accs, _common.unstack(state.thresholds))]
+    a_leaves = [
+      accumulate(g, acc, th).astype(g.dtype)
+      for g, acc, th in zip(leaves, accs, _common.unstack(state.thresholds))
+    ]
     dense = [dense_leaf(g.size, min_size) for g in leaves]
     if by_threshold:
-      thr, kept = topk_leaf_thresholds(a_leaves, dense, frac, seed, t,
-                                       with_kept=not error_feedback)
+      thr, kept = topk_leaf_thresholds(
+        a_leaves, dense, frac, seed, t, with_kept=not error_feedback
+      )
       keeps = [keep_mask(a, th.astype(a.dtype)) for a, th in zip(a_leaves, thr)]
     else:
-      keeps, kept = _score_masks(a_leaves, dense, frac, method,
-                                 static_fraction, freq, frequency_weight,
-                                 seed, t)
+      keeps, kept = _score_masks(
+        a_leaves,
+        dense,
+        frac,
+        method,
+        static_fraction,
+        freq,
+        frequency_weight,
+        seed,
+        t,
+      )
       thr = [jnp.asarray(RESIDUAL_ONLY, jnp.float32)] * len(leaves)
     outs, new_acc = [], []
     for a, keep, acc in zip(a_leaves, keeps, accs):
@@ -567,17 +651,24 @@ def top_k_mask(
         new_acc.append((a if by_threshold else res).astype(acc.dtype))
     new_freq = None
     if use_frequency:
-      new_freq = treedef.unflatten([
+      new_freq = treedef.unflatten(
+        [
           _common.ema(f, k, frequency_decay).astype(jnp.float32)
-          for f, k in zip(freq, keeps)])
+          for f, k in zip(freq, keeps)
+        ]
+      )
     return treedef.unflatten(outs), TopKMaskState(
-        count=optax.safe_increment(t),
-        accumulator=treedef.unflatten(new_acc) if error_feedback else None,
-        thresholds=_common.stack(thr, like=state.thresholds),
-        frequency=new_freq,
-        kept_fraction=(None if state.kept_fraction is None
-                       else size_weighted(kept, [g.size for g in leaves])
-                       + 0 * state.kept_fraction))
+      count=optax.safe_increment(t),
+      accumulator=treedef.unflatten(new_acc) if error_feedback else None,
+      thresholds=_common.stack(thr, like=state.thresholds),
+      frequency=new_freq,
+      kept_fraction=(
+        None
+        if state.kept_fraction is None
+        else size_weighted(kept, [g.size for g in leaves])
+        + 0 * state.kept_fraction
+      ),
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -587,9 +678,11 @@ def size_weighted(values: list[jax.Array], sizes: list[int]) -> jax.Array:
   total = sum(sizes)
   if not total:
     return jnp.ones((), jnp.float32)
-  return jnp.dot(jnp.stack([jnp.asarray(v, jnp.float32) for v in values]),
-                 jnp.asarray([n / total for n in sizes], jnp.float32),
-                 precision=jax.lax.Precision.HIGHEST)
+  return jnp.dot(
+    jnp.stack([jnp.asarray(v, jnp.float32) for v in values]),
+    jnp.asarray([n / total for n in sizes], jnp.float32),
+    precision=jax.lax.Precision.HIGHEST,
+  )
 
 
 def topk_leaf_thresholds(a_leaves, dense, frac, seed, t, with_kept=False):
@@ -600,7 +693,8 @@ def topk_leaf_thresholds(a_leaves, dense, frac, seed, t, with_kept=False):
   """
   masked = [i for i, d in enumerate(dense) if d is not True]
   found, kept_found = sampled_thresholds(
-      [jnp.abs(a_leaves[i]) for i in masked], frac, seed, t, with_kept=True)
+    [jnp.abs(a_leaves[i]) for i in masked], frac, seed, t, with_kept=True
+  )
   thr = [jnp.zeros((), jnp.float32)] * len(a_leaves)
   kept = [jnp.ones((), jnp.float32)] * len(a_leaves)
   for i, th, k in zip(masked, found, kept_found):
@@ -613,12 +707,18 @@ def topk_leaf_thresholds(a_leaves, dense, frac, seed, t, with_kept=False):
 # EMA threshold.
 
 
-def threshold_leaf_thresholds(a_leaves, dense, taus, alpha, t, every,
-                              scale) -> tuple[list, list]:
+def threshold_leaf_thresholds(
+  a_leaves, dense, taus, alpha, t, every, scale
+) -> tuple[list, list]:
   """``(thresholds, new taus)`` of the EMA threshold: 0 on dense leaves."""
   masked = [i for i, d in enumerate(dense) if d is not True]
-  new = ema_taus([jnp.abs(a_leaves[i]) for i in masked],
-                 [taus[i] for i in masked], alpha, t, every)
+  new = ema_taus(
+    [jnp.abs(a_leaves[i]) for i in masked],
+    [taus[i] for i in masked],
+    alpha,
+    t,
+    every,
+  )
   thr = [jnp.zeros((), jnp.float32)] * len(a_leaves)
   tau = list(taus)
   for i, tv in zip(masked, new):
@@ -629,11 +729,11 @@ def threshold_leaf_thresholds(a_leaves, dense, taus, alpha, t, every,
 
 
 def ema_threshold_mask(
-    alpha: float = 0.7,
-    every: int = 100,
-    scale: float = 1.0,
-    error_feedback: bool = True,
-    min_size: int = 0,
+  alpha: float = 0.7,
+  every: int = 100,
+  scale: float = 1.0,
+  error_feedback: bool = True,
+  min_size: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Keeps entries whose magnitude exceeds a slowly moving per-leaf threshold.
 
@@ -691,11 +791,12 @@ def ema_threshold_mask(
 
   def init_fn(params):
     return EmaThresholdMaskState(
-        count=jnp.zeros([], jnp.int32),
-        accumulator=optax.tree.zeros_like(params) if error_feedback else None,
-        thresholds=_scalars(params),
-        tau=_scalars(params),
-        kept_fraction=None if error_feedback else jnp.ones([], jnp.float32))
+      count=jnp.zeros([], jnp.int32),
+      accumulator=optax.tree.zeros_like(params) if error_feedback else None,
+      thresholds=_scalars(params),
+      tau=_scalars(params),
+      kept_fraction=None if error_feedback else jnp.ones([], jnp.float32),
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -703,12 +804,14 @@ def ema_threshold_mask(
     leaves, treedef = jax.tree.flatten(updates)
     _check_leaves("ema_threshold_mask", state.tau, leaves)
     accs = _flat_or_none(state.accumulator, treedef, len(leaves))
-    a_leaves = [accumulate(g, acc, th).astype(g.dtype) for g, acc, th in zip(
-        leaves, accs, _common.unstack(state.thresholds))]
+    a_leaves = [
+      accumulate(g, acc, th).astype(g.dtype)
+      for g, acc, th in zip(leaves, accs, _common.unstack(state.thresholds))
+    ]
     dense = [dense_leaf(g.size, min_size) for g in leaves]
-    thr, tau = threshold_leaf_thresholds(a_leaves, dense,
-                                         _common.unstack(state.tau), alpha, t,
-                                         every, scale)
+    thr, tau = threshold_leaf_thresholds(
+      a_leaves, dense, _common.unstack(state.tau), alpha, t, every, scale
+    )
     outs, new_acc, kept = [], [], []
     for a, th, acc in zip(a_leaves, thr, accs):
       keep = keep_mask(a, th.astype(a.dtype))
@@ -718,12 +821,16 @@ def ema_threshold_mask(
       if acc is not None:
         new_acc.append(a.astype(acc.dtype))
     return treedef.unflatten(outs), EmaThresholdMaskState(
-        count=optax.safe_increment(t),
-        accumulator=treedef.unflatten(new_acc) if error_feedback else None,
-        thresholds=_common.stack(thr, like=state.thresholds),
-        tau=_common.stack(tau, like=state.tau),
-        kept_fraction=(None if error_feedback
-                       else size_weighted(kept, [g.size for g in leaves])
-                       + 0 * state.kept_fraction))
+      count=optax.safe_increment(t),
+      accumulator=treedef.unflatten(new_acc) if error_feedback else None,
+      thresholds=_common.stack(thr, like=state.thresholds),
+      tau=_common.stack(tau, like=state.tau),
+      kept_fraction=(
+        None
+        if error_feedback
+        else size_weighted(kept, [g.size for g in leaves])
+        + 0 * state.kept_fraction
+      ),
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -8,7 +8,7 @@ it grow back. This module pins the variance estimate (bias-corrected EMAs of
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,9 @@ class ScaleByVarianceLrState(NamedTuple):
   mu: optax.Updates  # EMA of g
   nu: optax.Updates  # EMA of g**2
   variance: jax.Array  # shape=(), dtype=float32: mean variance (diagnostic)
-  lr_scale: jax.Array  # shape=(), dtype=float32: mean 1/(1+coef*var) (diagnostic)
+  lr_scale: (
+    jax.Array
+  )  # shape=(), dtype=float32: mean 1/(1+coef*var) (diagnostic)
 
   def metrics(self) -> dict[str, jax.Array]:
     return {"variance": self.variance, "lr_scale": self.lr_scale}
@@ -45,11 +47,11 @@ def _reduce(values, sizes, reduction):
 
 
 def scale_by_variance_lr(
-    coef: float = 0.1,
-    decay: float = 0.99,
-    eps: float = 1e-12,
-    reduction: str = "leaf",
-    normalize: bool = False,
+  coef: float = 0.1,
+  decay: float = 0.99,
+  eps: float = 1e-12,
+  reduction: str = "leaf",
+  normalize: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Divides updates by ``1 + coef * variance`` of the gradient.
 
@@ -115,14 +117,21 @@ def scale_by_variance_lr(
 
   def init_fn(params):
     return ScaleByVarianceLrState(
-        count=jnp.zeros([], jnp.int32),
-        mu=optax.tree.zeros_like(params),
-        nu=optax.tree.zeros_like(params),
-        variance=jnp.zeros([], jnp.float32),
-        lr_scale=jnp.ones([], jnp.float32))
+      count=jnp.zeros([], jnp.int32),
+      mu=optax.tree.zeros_like(params),
+      nu=optax.tree.zeros_like(params),
+      variance=jnp.zeros([], jnp.float32),
+      lr_scale=jnp.ones([], jnp.float32),
+    )
 
-  def update_fn(updates, state, params=None, *,
-                grad_variance: Optional[optax.Updates] = None, **extra_args):
+  def update_fn(
+    updates,
+    state,
+    params=None,
+    *,
+    grad_variance: optax.Updates | None = None,
+    **extra_args,
+  ):
     del params, extra_args
     count_inc = optax.safe_increment(state.count)
     mu = optax.tree.update_moment(updates, state.mu, decay, 1)
@@ -133,14 +142,21 @@ def scale_by_variance_lr(
     mu_leaves = treedef.flatten_up_to(mu)
     nu_leaves = treedef.flatten_up_to(nu)
     if grad_variance is not None:
-      _common.check_same_structure("grad_variance", grad_variance, updates,
-                                   "scale_by_variance_lr")
-      var = [jnp.maximum(jnp.asarray(v, jnp.float32), 0.0)
-             for v in treedef.flatten_up_to(grad_variance)]
+      _common.check_same_structure(
+        "grad_variance", grad_variance, updates, "scale_by_variance_lr"
+      )
+      var = [
+        jnp.maximum(jnp.asarray(v, jnp.float32), 0.0)
+        for v in treedef.flatten_up_to(grad_variance)
+      ]
     else:
-      var = [jnp.maximum(n.astype(jnp.float32) / bc
-                         - jnp.square(m.astype(jnp.float32) / bc), 0.0)
-             for m, n in zip(mu_leaves, nu_leaves)]
+      var = [
+        jnp.maximum(
+          n.astype(jnp.float32) / bc - jnp.square(m.astype(jnp.float32) / bc),
+          0.0,
+        )
+        for m, n in zip(mu_leaves, nu_leaves)
+      ]
     sizes = [g.size for g in g_leaves]
     var = _reduce(var, sizes, reduction)
     if normalize:
@@ -155,13 +171,16 @@ def scale_by_variance_lr(
     # per-element rates (no extra pass over the leaf).
     stats = _common.SampledMoments()
     for v, sc, n in zip(var, scales, sizes):
-      stats.add(n, var=_common.strided_sample(v), scale=_common.strided_sample(sc))
+      stats.add(
+        n, var=_common.strided_sample(v), scale=_common.strided_sample(sc)
+      )
 
     return treedef.unflatten(out), ScaleByVarianceLrState(
-        count=count_inc,
-        mu=optax.tree.cast_like(mu, state.mu),
-        nu=optax.tree.cast_like(nu, state.nu),
-        variance=stats.mean("var"),
-        lr_scale=stats.mean("scale", 1.0))
+      count=count_inc,
+      mu=optax.tree.cast_like(mu, state.mu),
+      nu=optax.tree.cast_like(nu, state.nu),
+      variance=stats.mean("var"),
+      lr_scale=stats.mean("scale", 1.0),
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -11,8 +11,13 @@ import grpo_optax
 
 def _seq(steps=30, seed=1):
   rng = np.random.default_rng(seed)
-  return [{"w": rng.normal(size=(4, 6)).astype(np.float32) * 10 ** (i % 3 - 1),
-           "b": rng.normal(size=(6,)).astype(np.float32)} for i in range(steps)]
+  return [
+    {
+      "w": rng.normal(size=(4, 6)).astype(np.float32) * 10 ** (i % 3 - 1),
+      "b": rng.normal(size=(6,)).astype(np.float32),
+    }
+    for i in range(steps)
+  ]
 
 
 def test_l2_zero_equals_clip_by_global_norm():
@@ -22,25 +27,30 @@ def test_l2_zero_equals_clip_by_global_norm():
   for g in _seq():
     u1, s1 = jax.jit(ours.update)(g, s1)
     u2, s2 = ref.update(g, s2)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), u1, u2)
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), u1, u2
+    )
 
 
 def test_matches_numpy_reference_and_counts_clipped_steps():
   tx = grpo_optax.clip_with_l2(max_norm=2.0, l2=0.05)
   rng = np.random.default_rng(3)
-  params = {"w": rng.normal(size=(4, 6)).astype(np.float32),
-            "b": rng.normal(size=(6,)).astype(np.float32)}
+  params = {
+    "w": rng.normal(size=(4, 6)).astype(np.float32),
+    "b": rng.normal(size=(6,)).astype(np.float32),
+  }
   state = tx.init(params)
   update = jax.jit(tx.update)
   expected_clipped = 0
   for g in _seq():
     u, state = update(g, state, params)
     a = {k: g[k].astype(np.float64) + 0.05 * params[k] for k in g}
-    n = np.sqrt(sum(np.sum(x ** 2) for x in a.values()))
+    n = np.sqrt(sum(np.sum(x**2) for x in a.values()))
     expected_clipped += int(n > 2.0)
     for k in g:
-      np.testing.assert_allclose(u[k], a[k] * min(1.0, 2.0 / n), rtol=2e-4,
-                                 atol=1e-7)
+      np.testing.assert_allclose(
+        u[k], a[k] * min(1.0, 2.0 / n), rtol=2e-4, atol=1e-7
+      )
     np.testing.assert_allclose(state.last_norm, n, rtol=1e-5)
   assert int(state.count) == 30
   assert int(state.clipped) == expected_clipped
@@ -79,9 +89,15 @@ def test_mismatched_params_tree():
     tx.update({"w": jnp.ones(2)}, tx.init({}), {"v": jnp.ones(2)})
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(max_norm=0.0), "max_norm"), (dict(max_norm=-1.0), "max_norm"),
-    (dict(l2=-1e-4), "l2"), (dict(max_norm=float("nan")), "max_norm")])
+@pytest.mark.parametrize(
+  "kwargs,name",
+  [
+    (dict(max_norm=0.0), "max_norm"),
+    (dict(max_norm=-1.0), "max_norm"),
+    (dict(l2=-1e-4), "l2"),
+    (dict(max_norm=float("nan")), "max_norm"),
+  ],
+)
 def test_bad_input(kwargs, name):
   with pytest.raises(ValueError, match=name + r" must be in"):
     grpo_optax.clip_with_l2(**kwargs)

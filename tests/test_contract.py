@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
 from contract import CASES
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 cases = pytest.mark.parametrize("case", CASES, ids=str)
 
@@ -17,10 +18,12 @@ cases = pytest.mark.parametrize("case", CASES, ids=str)
 def _params(dtype=jnp.float32):
   k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
   return {
-      "dense": {"kernel": jax.random.normal(k1, (16, 8), dtype),
-                "bias": jax.random.normal(k2, (8,), dtype)},
-      "scale": jnp.asarray(0.5, dtype),
-      "embed": jax.random.normal(k3, (32, 4), dtype),
+    "dense": {
+      "kernel": jax.random.normal(k1, (16, 8), dtype),
+      "bias": jax.random.normal(k2, (8,), dtype),
+    },
+    "scale": jnp.asarray(0.5, dtype),
+    "embed": jax.random.normal(k3, (32, 4), dtype),
   }
 
 
@@ -28,8 +31,12 @@ def _grads(params, i):
   keys = jax.random.split(jax.random.key(100 + i), len(jax.tree.leaves(params)))
   keys = jax.tree.unflatten(jax.tree.structure(params), list(keys))
   return jax.tree.map(
-      lambda p, k: (0.1 * p + jax.random.normal(k, p.shape, jnp.float32)
-                    ).astype(p.dtype), params, keys)
+    lambda p, k: (0.1 * p + jax.random.normal(k, p.shape, jnp.float32)).astype(
+      p.dtype
+    ),
+    params,
+    keys,
+  )
 
 
 def _run(tx, params, steps, jit=True):
@@ -70,8 +77,13 @@ def test_unknown_extra_args_accepted(case):
   tx = case.make()
   params = _params()
   u1, _ = tx.update(_grads(params, 0), tx.init(params), params)
-  u2, _ = tx.update(_grads(params, 0), tx.init(params), params,
-                    unknown_arg=jnp.ones(3), another=None)
+  u2, _ = tx.update(
+    _grads(params, 0),
+    tx.init(params),
+    params,
+    unknown_arg=jnp.ones(3),
+    another=None,
+  )
   chex_equal(u1, u2)
 
 
@@ -84,11 +96,13 @@ def test_inject_hyperparams_identical(case):
   params = _params()
   plain, _, _ = _run(case.make(), params, 4)
   injected_tx = optax.inject_hyperparams(
-      case.factory, static_args=case.static_args)(**case.kwargs)
+    case.factory, static_args=case.static_args
+  )(**case.kwargs)
   injected, state, _ = _run(injected_tx, params, 4)
   for a, b in zip(plain, injected):
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(
-        x, y, rtol=1e-5, atol=2e-5), a, b)
+    jax.tree.map(
+      lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=2e-5), a, b
+    )
   assert isinstance(state, optax.InjectStatefulHyperparamsState)
 
 
@@ -114,8 +128,9 @@ def test_state_survives_cond(case):
 
   @jax.jit
   def f(pred, state):
-    return jax.lax.cond(pred, lambda s: tx.update(grads, s, params)[1],
-                        lambda s: s, state)
+    return jax.lax.cond(
+      pred, lambda s: tx.update(grads, s, params)[1], lambda s: s, state
+    )
 
   s_true = f(True, state)
   s_false = f(False, state)
@@ -143,14 +158,16 @@ def test_multisteps_zero_on_mini_steps(case):
 def test_init_on_shape_dtype_struct(case):
   tx = case.make()
   params = _params()
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          params)
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+  )
   state = tx.init(abstract)
   expected = tx.init(params)
   assert _dtypes(state) == _dtypes(expected)
   shaped = jax.eval_shape(tx.init, abstract)
   assert jax.tree.map(lambda x: (x.shape, x.dtype), shaped) == jax.tree.map(
-      lambda x: (jnp.shape(x), jnp.asarray(x).dtype), expected)
+    lambda x: (jnp.shape(x), jnp.asarray(x).dtype), expected
+  )
 
 
 @cases
@@ -163,9 +180,15 @@ def test_map_params_is_noop(case):
   # It reaches exactly the param-shaped leaves: build partition specs with it.
   specs = jax.tree.map(lambda _: P(), params)
   opt_specs = optax.tree.map_params(
-      tx, lambda _, spec: spec, state, specs,
-      transform_non_params=lambda _: "not a param")
-  n_param_like = len([x for x in jax.tree.leaves(opt_specs) if isinstance(x, P)])
+    tx,
+    lambda _, spec: spec,
+    state,
+    specs,
+    transform_non_params=lambda _: "not a param",
+  )
+  n_param_like = len(
+    [x for x in jax.tree.leaves(opt_specs) if isinstance(x, P)]
+  )
   assert n_param_like == case.param_trees * len(jax.tree.leaves(params))
 
 
@@ -177,8 +200,9 @@ def test_empty_tree_and_scalar_leaves(case):
   params = {"a": jnp.asarray(1.0), "b": jnp.asarray(-2.0)}
   state = tx.init(params)
   for i in range(3):
-    u, state = tx.update({"a": jnp.asarray(0.3 * i + 0.1),
-                          "b": jnp.asarray(-0.2)}, state, params)
+    u, state = tx.update(
+      {"a": jnp.asarray(0.3 * i + 0.1), "b": jnp.asarray(-0.2)}, state, params
+    )
   assert all(jnp.shape(x) == () for x in jax.tree.leaves(u))
   assert all(bool(jnp.isfinite(x)) for x in jax.tree.leaves(u))
 
@@ -189,8 +213,11 @@ def test_sharded_params_give_sharded_updates(case):
   assert devices.size == 8, "conftest forces 8 host devices"
   mesh = Mesh(devices, ("x",))
   params = _params()
-  specs = {"dense": {"kernel": P("x", None), "bias": P("x")},
-           "scale": P(), "embed": P("x", None)}
+  specs = {
+    "dense": {"kernel": P("x", None), "bias": P("x")},
+    "scale": P(),
+    "embed": P("x", None),
+  }
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   sharded = jax.device_put(params, shardings)
   tx = case.make()
@@ -201,8 +228,11 @@ def test_sharded_params_give_sharded_updates(case):
     g_ref = _grads(params, i)
     u_ref, state_ref = update(g_ref, state_ref, params)
     u, state = update(jax.device_put(g_ref, shardings), state, sharded)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(
-        a, b, rtol=2e-5, atol=1e-6), u, u_ref)
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
+      u,
+      u_ref,
+    )
     for leaf, sh in zip(jax.tree.leaves(u), jax.tree.leaves(shardings)):
       assert leaf.sharding.is_equivalent_to(sh, leaf.ndim), (leaf.sharding, sh)
     params = optax.apply_updates(params, u_ref)
@@ -219,7 +249,8 @@ def _minimize(opt, loss, params, steps):
     return optax.apply_updates(p, u), s
 
   params, _ = jax.jit(lambda c: jax.lax.fori_loop(0, steps, body, c))(
-      (params, state))
+    (params, state)
+  )
   return params
 
 
@@ -227,8 +258,9 @@ def _minimize(opt, loss, params, steps):
 def test_converges_on_parabola(case):
   target = jnp.array([1.0, -1.0, 2.0])
   loss = lambda p: jnp.sum(jnp.square(p["x"] - target))
-  params = _minimize(case.make_optimizer(), loss,
-                     {"x": jnp.array([-1.0, 10.0, 1.0])}, case.steps)
+  params = _minimize(
+    case.make_optimizer(), loss, {"x": jnp.array([-1.0, 10.0, 1.0])}, case.steps
+  )
   np.testing.assert_allclose(params["x"], target, atol=5e-2)
 
 
@@ -236,17 +268,23 @@ def test_converges_on_parabola(case):
 def test_converges_on_rosenbrock(case):
   def loss(p):
     x, y = p["xy"][0], p["xy"][1]
-    return (1.0 - x) ** 2 + 100.0 * (y - x ** 2) ** 2
-  params = _minimize(case.make_optimizer(), loss,
-                     {"xy": jnp.array([-1.0, 1.5])}, 4 * case.steps)
+    return (1.0 - x) ** 2 + 100.0 * (y - x**2) ** 2
+
+  params = _minimize(
+    case.make_optimizer(), loss, {"xy": jnp.array([-1.0, 1.5])}, 4 * case.steps
+  )
   np.testing.assert_allclose(params["xy"], jnp.array([1.0, 1.0]), atol=0.1)
 
 
 @cases
 def test_odd_trees(case):
   """None leaves, zero-size leaves, tuples/lists and a 1-element leaf."""
-  params = {"none": None, "empty": jnp.zeros((0, 3)), "one": jnp.ones((1,)),
-            "seq": (jnp.ones((2, 3)), [jnp.full((4,), 2.0)])}
+  params = {
+    "none": None,
+    "empty": jnp.zeros((0, 3)),
+    "one": jnp.ones((1,)),
+    "seq": (jnp.ones((2, 3)), [jnp.full((4,), 2.0)]),
+  }
   tx = case.make()
   state = tx.init(params)
   update = jax.jit(tx.update)
@@ -262,6 +300,7 @@ def test_odd_trees(case):
 def test_state_serialization_roundtrip(case):
   """State survives a host round trip (pickle of NumPy arrays), as checkpoints do."""
   import pickle  # pylint: disable=g-import-not-at-top
+
   tx = case.make()
   params = _params()
   update = jax.jit(tx.update)
@@ -279,8 +318,13 @@ def test_state_serialization_roundtrip(case):
 def _avals(tree):
   """Shape, dtype and weak type of every leaf (what lax.cond compares)."""
   return jax.tree.map(
-      lambda x: (jnp.shape(x), jnp.asarray(x).dtype,
-                 jax.typeof(jnp.asarray(x)).weak_type), tree)
+    lambda x: (
+      jnp.shape(x),
+      jnp.asarray(x).dtype,
+      jax.typeof(jnp.asarray(x)).weak_type,
+    ),
+    tree,
+  )
 
 
 @cases
@@ -298,8 +342,11 @@ def test_x64_state_avals_stable(case):
       assert all(x.dtype == jnp.float64 for x in jax.tree.leaves(u))
     grads = _grads(params, 0)
     # optax's own optimizers allow this: both branches have equal types.
-    new_state = jax.jit(lambda pred, s: jax.lax.cond(
-        pred, lambda: tx.update(grads, s, params)[1], lambda: s))(True, state0)
+    new_state = jax.jit(
+      lambda pred, s: jax.lax.cond(
+        pred, lambda: tx.update(grads, s, params)[1], lambda: s
+      )
+    )(True, state0)
     assert _avals(new_state) == _avals(state0)
 
 
@@ -309,7 +356,8 @@ def test_inject_hyperparams_state_matches_plain(case):
   params = _params()
   plain = case.make().init(params)
   injected = optax.inject_hyperparams(
-      case.factory, static_args=case.static_args)(**case.kwargs)
+    case.factory, static_args=case.static_args
+  )(**case.kwargs)
   for init in (injected.init, jax.jit(injected.init)):
     inner = init(params).inner_state
     assert jax.tree.structure(inner) == jax.tree.structure(plain)

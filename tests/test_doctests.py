@@ -10,13 +10,18 @@ import grpo_optax
 
 # Every module of the package, found by walking it: a new module's examples
 # run without being listed here.
-MODULES = sorted(m.name for m in pkgutil.walk_packages(
-    grpo_optax.__path__, prefix="grpo_optax."))
+MODULES = sorted(
+  m.name
+  for m in pkgutil.walk_packages(grpo_optax.__path__, prefix="grpo_optax.")
+)
 
 
 def test_modules_with_examples_are_found():
-  with_examples = {"grpo_optax.training.hierarchical",
-                   "grpo_optax.training._nnx", "grpo_optax.presets"}
+  with_examples = {
+    "grpo_optax.training.hierarchical",
+    "grpo_optax.training._nnx",
+    "grpo_optax.presets",
+  }
   assert with_examples <= set(MODULES)
 
 

@@ -1,5 +1,6 @@
 """What a JAX user meets in the first hour: debug modes, inject_hyperparams,
-float16, weight decay, the learning rate's sign, Equinox trees, partitions."""
+float16, weight decay, the learning rate's sign, Equinox trees, partitions.
+"""
 
 from __future__ import annotations
 
@@ -12,27 +13,31 @@ import pytest
 import grpo_optax
 
 MODES = {
-    "topk": {},
-    "threshold": dict(sparsify="threshold"),
-    "dense": dict(sparsify=None),
-    "article": dict(grpo_optax.ARTICLE_DEFAULTS),
-    "freeze": dict(freeze_threshold=0.3, freeze_warmup_steps=1),
-    "chain": dict(fused=False),
+  "topk": {},
+  "threshold": dict(sparsify="threshold"),
+  "dense": dict(sparsify=None),
+  "article": dict(grpo_optax.ARTICLE_DEFAULTS),
+  "freeze": dict(freeze_threshold=0.3, freeze_warmup_steps=1),
+  "chain": dict(fused=False),
 }
 
 
 def _params(dtype=jnp.float32):
   rng = np.random.default_rng(0)
   # A leaf above and leaves below min_size (1,024 entries).
-  return {"w": jnp.asarray(rng.normal(size=(40, 64)), dtype),
-          "b": jnp.asarray(rng.normal(size=(16,)), dtype),
-          "s": jnp.asarray(0.5, dtype)}
+  return {
+    "w": jnp.asarray(rng.normal(size=(40, 64)), dtype),
+    "b": jnp.asarray(rng.normal(size=(16,)), dtype),
+    "s": jnp.asarray(0.5, dtype),
+  }
 
 
 def _grads(t=0, dtype=jnp.float32):
   rng = np.random.default_rng(10 + t)
-  return {k: jnp.asarray(rng.normal(size=v.shape) * 1e-2, dtype)
-          for k, v in _params().items()}
+  return {
+    k: jnp.asarray(rng.normal(size=v.shape) * 1e-2, dtype)
+    for k, v in _params().items()
+  }
 
 
 @pytest.mark.parametrize("debug", ["jax_debug_infs", "jax_debug_nans"])
@@ -40,8 +45,11 @@ def _grads(t=0, dtype=jnp.float32):
 def test_debug_modes_and_finite_state(mode, debug):
   tx = grpo_optax.grpo(1e-3, **MODES[mode])
   params = _params()
-  with jax.debug_infs(True) if debug == "jax_debug_infs" else (
-      jax.debug_nans(True)):
+  with (
+    jax.debug_infs(True)
+    if debug == "jax_debug_infs"
+    else (jax.debug_nans(True))
+  ):
     state = tx.init(params)
     for t in range(3):
       updates, state = tx.update(_grads(t), state, params)
@@ -55,8 +63,7 @@ def test_debug_modes_and_finite_state(mode, debug):
 def test_inject_hyperparams_equals_the_plain_preset(mode):
   kw = MODES[mode]
   plain = grpo_optax.grpo(1e-3, **kw)
-  injected = optax.inject_hyperparams(grpo_optax.grpo)(learning_rate=1e-3,
-                                                       **kw)
+  injected = optax.inject_hyperparams(grpo_optax.grpo)(learning_rate=1e-3, **kw)
   params = _params()
   s_plain, s_inj = plain.init(params), injected.init(params)
   up_plain, up_inj = jax.jit(plain.update), jax.jit(injected.update)
@@ -66,13 +73,11 @@ def test_inject_hyperparams_equals_the_plain_preset(mode):
     for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
   # Same state structure and values (optax's contrib test compares them).
-  assert (jax.tree.structure(s_plain)
-          == jax.tree.structure(s_inj.inner_state))
-  for a, b in zip(jax.tree.leaves(s_plain),
-                  jax.tree.leaves(s_inj.inner_state)):
-    np.testing.assert_allclose(np.asarray(a, np.float64),
-                               np.asarray(b, np.float64), rtol=1e-5,
-                               atol=1e-9)
+  assert jax.tree.structure(s_plain) == jax.tree.structure(s_inj.inner_state)
+  for a, b in zip(jax.tree.leaves(s_plain), jax.tree.leaves(s_inj.inner_state)):
+    np.testing.assert_allclose(
+      np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-5, atol=1e-9
+    )
 
 
 def test_inject_hyperparams_without_params():
@@ -89,17 +94,19 @@ def test_inject_hyperparams_with_bf16_params():
   tx = optax.inject_hyperparams(grpo_optax.grpo)(learning_rate=1e-3)
   with pytest.raises(ValueError, match="hyperparam_dtype"):
     tx.init(params)
-  tx = optax.inject_hyperparams(grpo_optax.grpo,
-                                hyperparam_dtype=jnp.float32)(
-                                    learning_rate=1e-3)
+  tx = optax.inject_hyperparams(grpo_optax.grpo, hyperparam_dtype=jnp.float32)(
+    learning_rate=1e-3
+  )
   state = tx.init(params)
   updates, _ = tx.update(_grads(dtype=jnp.bfloat16), state, params)
   # As optax.adam's: a float32 learning rate promotes the updates.
   adam = optax.inject_hyperparams(optax.adam, hyperparam_dtype=jnp.float32)(
-      learning_rate=1e-3)
+    learning_rate=1e-3
+  )
   ref, _ = adam.update(_grads(dtype=jnp.bfloat16), adam.init(params), params)
   assert [u.dtype for u in jax.tree.leaves(updates)] == [
-      u.dtype for u in jax.tree.leaves(ref)]
+    u.dtype for u in jax.tree.leaves(ref)
+  ]
   assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
 
 
@@ -112,15 +119,18 @@ def test_float16_params_keep_float32_moments(fused):
     params = _params(dtype)
     state = tx.init(params)
     # Gradients of 1e-4: their squares underflow float16 (min normal 6e-5).
-    g = jax.tree.map(lambda p: jnp.full(p.shape, 1e-4, dtype), params)
+    g = jax.tree.map(
+      lambda p, dtype=dtype: jnp.full(p.shape, 1e-4, dtype), params
+    )
     u, state = tx.update(g, state, params)
     ups[dtype] = u
   for u in jax.tree.leaves(ups[jnp.float16]):
     assert u.dtype == jnp.float16
     # Adam's first step is lr * sign(g) (NAdam's look-ahead: within 2x).
     assert float(jnp.max(jnp.abs(u.astype(jnp.float32)))) <= 2 * lr
-  for a, b in zip(jax.tree.leaves(ups[jnp.float16]),
-                  jax.tree.leaves(ups[jnp.float32])):
+  for a, b in zip(
+    jax.tree.leaves(ups[jnp.float16]), jax.tree.leaves(ups[jnp.float32])
+  ):
     np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=2e-3)
 
 
@@ -128,8 +138,9 @@ def test_float16_moment_dtype_defaults():
   state = grpo_optax.grpo(sparsify=None).init(_params(jnp.float16))
   moments = [x for x in jax.tree.leaves(state) if np.shape(x) == (40, 64)]
   assert len(moments) == 2 and all(x.dtype == jnp.float32 for x in moments)
-  state = grpo_optax.grpo(sparsify=None, nu_dtype=jnp.float16,
-                          mu_dtype=jnp.float16).init(_params(jnp.float16))
+  state = grpo_optax.grpo(
+    sparsify=None, nu_dtype=jnp.float16, mu_dtype=jnp.float16
+  ).init(_params(jnp.float16))
   moments = [x for x in jax.tree.leaves(state) if np.shape(x) == (40, 64)]
   assert all(x.dtype == jnp.float16 for x in moments)
 
@@ -138,16 +149,25 @@ def test_float16_moment_dtype_defaults():
 def test_weight_decay_equals_adamw(fused):
   wd, lr = 0.1, 1e-2
   mask = {"w": True, "b": False, "s": True}
-  tx = grpo_optax.grpo(lr, max_norm=None, sparsify=None, nesterov=False,
-                       weight_decay=wd, weight_decay_mask=mask, fused=fused)
+  tx = grpo_optax.grpo(
+    lr,
+    max_norm=None,
+    sparsify=None,
+    nesterov=False,
+    weight_decay=wd,
+    weight_decay_mask=mask,
+    fused=fused,
+  )
   ref = optax.adamw(lr, weight_decay=wd, mask=mask)
   params = p_ref = _params()
   s, s_ref = tx.init(params), ref.init(p_ref)
   for t in range(5):
     u, s = tx.update(_grads(t), s, params)
     u_ref, s_ref = ref.update(_grads(t), s_ref, p_ref)
-    params, p_ref = (optax.apply_updates(params, u),
-                     optax.apply_updates(p_ref, u_ref))
+    params, p_ref = (
+      optax.apply_updates(params, u),
+      optax.apply_updates(p_ref, u_ref),
+    )
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(p_ref)):
     # optax rounds 1 - b2 differently: 1e-5 relative on the moments.
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -176,15 +196,23 @@ def test_equinox_style_params_get_a_clear_error():
 
 
 def test_metrics_keys_carry_partition_labels():
-  tx = optax.partition({"a": grpo_optax.grpo(1e-3),
-                        "b": grpo_optax.grpo(1e-3, sparsify="threshold")},
-                       {"w": "a", "b": "b", "s": "b"})
+  tx = optax.partition(
+    {
+      "a": grpo_optax.grpo(1e-3),
+      "b": grpo_optax.grpo(1e-3, sparsify="threshold"),
+    },
+    {"w": "a", "b": "b", "s": "b"},
+  )
   params = _params()
   state = tx.init(params)
   _, state = tx.update(_grads(), state, params)
   keys = set(grpo_optax.metrics(state))
-  assert {"a:clip/clip_rate", "a:topk/kept_fraction", "b:clip/clip_rate",
-          "b:threshold/tau_mean"} <= keys
+  assert {
+    "a:clip/clip_rate",
+    "a:topk/kept_fraction",
+    "b:clip/clip_rate",
+    "b:threshold/tau_mean",
+  } <= keys
   assert not any(k.startswith("grpo_") for k in keys)
 
 

@@ -19,19 +19,57 @@ import pytest
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_RUN = ["-m", "examples.resnet_cifar10", "--data-parallel", "--local-steps",
-        "2", "--exchange", "shared_support", "--exchange-fraction", "0.25",
-        "--outer-quantize", "int8", "--depth", "8", "--steps", "8",
-        "--batch-size", "16", "--max-train-examples", "128",
-        "--max-eval-examples", "64", "--eval-every", "0",
-        "--checkpoint-every", "2", "--fast-compile", "--resume", "--quiet"]
+_RUN = [
+  "-m",
+  "examples.resnet_cifar10",
+  "--data-parallel",
+  "--local-steps",
+  "2",
+  "--exchange",
+  "shared_support",
+  "--exchange-fraction",
+  "0.25",
+  "--outer-quantize",
+  "int8",
+  "--depth",
+  "8",
+  "--steps",
+  "8",
+  "--batch-size",
+  "16",
+  "--max-train-examples",
+  "128",
+  "--max-eval-examples",
+  "64",
+  "--eval-every",
+  "0",
+  "--checkpoint-every",
+  "2",
+  "--fast-compile",
+  "--resume",
+  "--quiet",
+]
 
 
 def _launcher(workdir, max_restarts=0):
-  return [sys.executable, "-m", "examples.launch_multiprocess",
-          "--num-processes", "2", "--devices-per-process", "2",
-          "--timeout", "1200", "--max-restarts", str(max_restarts), "--",
-          sys.executable, *_RUN, "--workdir", str(workdir)]
+  return [
+    sys.executable,
+    "-m",
+    "examples.launch_multiprocess",
+    "--num-processes",
+    "2",
+    "--devices-per-process",
+    "2",
+    "--timeout",
+    "1200",
+    "--max-restarts",
+    str(max_restarts),
+    "--",
+    sys.executable,
+    *_RUN,
+    "--workdir",
+    str(workdir),
+  ]
 
 
 def _env():
@@ -46,24 +84,39 @@ def _metrics(workdir):
 @pytest.mark.slow
 def test_killed_process_is_restarted_and_ends_as_uninterrupted(tmp_path):
   ref = tmp_path / "uninterrupted"
-  done = subprocess.run(_launcher(ref), cwd=_ROOT, env=_env(),
-                        capture_output=True, text=True, timeout=1300)
+  done = subprocess.run(
+    _launcher(ref),
+    cwd=_ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=1300,
+  )
   assert done.returncode == 0, done.stdout[-3000:]
 
   killed = tmp_path / "killed"
-  proc = subprocess.Popen(_launcher(killed, max_restarts=1), cwd=_ROOT,
-                          env=_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+  proc = subprocess.Popen(
+    _launcher(killed, max_restarts=1),
+    cwd=_ROOT,
+    env=_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
   lines = []
-  reader = threading.Thread(target=lambda: lines.extend(iter(
-      proc.stdout.readline, "")), daemon=True)
+  reader = threading.Thread(
+    target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True
+  )
   reader.start()
   victim = None
   deadline = time.monotonic() + 1200
   while proc.poll() is None and victim is None:
     assert time.monotonic() < deadline
-    pids = [line.split()[-1] for line in list(lines)
-            if line.startswith("[launcher] process 1: pid")]
+    pids = [
+      line.split()[-1]
+      for line in list(lines)
+      if line.startswith("[launcher] process 1: pid")
+    ]
     if pids and os.path.isdir(killed / "checkpoints" / "2"):
       victim = int(pids[0])
       os.kill(victim, signal.SIGKILL)
@@ -79,8 +132,9 @@ def test_killed_process_is_restarted_and_ends_as_uninterrupted(tmp_path):
   assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5)
   assert got["eval_accuracy"] == want["eval_accuracy"]
   assert [s for s, _ in got["train_loss_history"]] == list(range(1, 9))
-  for (_, a), (_, b) in zip(got["train_loss_history"],
-                            want["train_loss_history"]):
+  for (_, a), (_, b) in zip(
+    got["train_loss_history"], want["train_loss_history"]
+  ):
     assert a == pytest.approx(b, rel=1e-5)
 
 
@@ -98,24 +152,34 @@ print("attempt", open(marker).read().count("x"), "process", i)
 
 def test_launcher_restarts_all_processes_after_one_dies(tmp_path):
   from examples import launch_multiprocess  # pylint: disable=g-import-not-at-top
+
   log = tmp_path / "out.txt"
   with open(log, "w") as out:
     code = launch_multiprocess.launch(
-        [sys.executable, "-c", _FLAKY, str(tmp_path)], 2, timeout=60,
-        out=out, max_restarts=2)
+      [sys.executable, "-c", _FLAKY, str(tmp_path)],
+      2,
+      timeout=60,
+      out=out,
+      max_restarts=2,
+    )
   text = log.read_text()
   assert code == 0, text
   assert text.count("[launcher] a process died (exit -9): restart") == 1
   assert "[1] attempt 2 process 1" in text
-  assert "[0] attempt 2 process 0" in text      # Process 0 ran again too.
+  assert "[0] attempt 2 process 0" in text  # Process 0 ran again too.
 
 
 def test_launcher_gives_up_after_max_restarts(tmp_path):
   from examples import launch_multiprocess  # pylint: disable=g-import-not-at-top
+
   with open(tmp_path / "out.txt", "w") as out:
     code = launch_multiprocess.launch(
-        [sys.executable, "-c", "import sys; sys.exit(3)"], 2, timeout=60,
-        out=out, max_restarts=1)
+      [sys.executable, "-c", "import sys; sys.exit(3)"],
+      2,
+      timeout=60,
+      out=out,
+      max_restarts=1,
+    )
   assert code == 3
   assert (tmp_path / "out.txt").read_text().count("restart 1 of 1") == 1
   with pytest.raises(ValueError, match="`max_restarts` must be >= 0"):

@@ -10,8 +10,11 @@ import grpo_optax
 
 
 def _setup():
-  params = {"important": jnp.ones((8, 8)), "unimportant": jnp.full((8,), 1e-3),
-            "medium": jnp.full((4, 4), 0.5)}
+  params = {
+    "important": jnp.ones((8, 8)),
+    "unimportant": jnp.full((8,), 1e-3),
+    "medium": jnp.full((4, 4), 0.5),
+  }
   return params
 
 
@@ -21,9 +24,11 @@ def test_freezes_unimportant_leaf_and_keeps_it_frozen():
   state = tx.init(params)
   update = jax.jit(tx.update)
   g = jax.tree.map(jnp.ones_like, params)
-  for t in range(3):  # warm-up: nothing freezes
+  for _ in range(3):  # warm-up: nothing freezes
     out, state = update(g, state, params)
-    assert not any(bool(x) for x in jax.tree.leaves(grpo_optax.frozen_mask(state, params)))
+    assert not any(
+      bool(x) for x in jax.tree.leaves(grpo_optax.frozen_mask(state, params))
+    )
     np.testing.assert_array_equal(out["unimportant"], g["unimportant"])
   out, state = update(g, state, params)
   mask = grpo_optax.frozen_mask(state, params)
@@ -39,12 +44,16 @@ def test_freezes_unimportant_leaf_and_keeps_it_frozen():
     # A frozen leaf no longer counts in the normaliser: the others stay put.
     mask = grpo_optax.frozen_mask(state, params)
     assert {k: bool(v) for k, v in mask.items()} == {
-        "important": False, "unimportant": True, "medium": False}
+      "important": False,
+      "unimportant": True,
+      "medium": False,
+    }
     np.testing.assert_array_equal(out["important"], g["important"])
 
 
-def _numpy_freeze(grads, params, threshold, decay, warmup_steps,
-                  active_only=True):
+def _numpy_freeze(
+  grads, params, threshold, decay, warmup_steps, active_only=True
+):
   """Per-step (importance, frozen) of freeze_below, in float64."""
   imp = {k: 0.0 for k in params}
   frozen = {k: False for k in params}
@@ -53,12 +62,15 @@ def _numpy_freeze(grads, params, threshold, decay, warmup_steps,
     bc = 1 - decay ** (t + 1)
     for k in params:
       imp[k] = decay * imp[k] + (1 - decay) * np.mean(
-          np.abs(np.float64(g[k]) * np.float64(params[k])))
+        np.abs(np.float64(g[k]) * np.float64(params[k]))
+      )
     pool = [k for k in params if not frozen[k] or not active_only]
     mean = np.mean([imp[k] / bc for k in pool]) if pool else 0.0
-    frozen = {k: frozen[k] or (t >= warmup_steps and
-                               (imp[k] / bc) / (mean + 1e-30) < threshold)
-              for k in params}
+    frozen = {
+      k: frozen[k]
+      or (t >= warmup_steps and (imp[k] / bc) / (mean + 1e-30) < threshold)
+      for k in params
+    }
     history.append((dict(imp), dict(frozen)))
   return history
 
@@ -72,11 +84,18 @@ def test_normalised_by_the_mean_over_trainable_leaves_only():
   gradient 10,000 times larger; it must not drag the normaliser, so "a" and
   "d" stay trainable (a mean over all leaves would freeze every leaf).
   """
-  params = {"a": np.full((2, 2), 2.0, np.float32), "b": -np.ones(3, np.float32),
-            "c": np.ones(5, np.float32), "d": np.full(2, 0.25, np.float32)}
-  g0 = {"a": np.full((2, 2), 0.5, np.float32), "b": np.full(3, 0.01, np.float32),
-        "c": np.array([0.15, -0.15, 0.15, -0.15, 0.15], np.float32),
-        "d": np.full(2, -2.0, np.float32)}
+  params = {
+    "a": np.full((2, 2), 2.0, np.float32),
+    "b": -np.ones(3, np.float32),
+    "c": np.ones(5, np.float32),
+    "d": np.full(2, 0.25, np.float32),
+  }
+  g0 = {
+    "a": np.full((2, 2), 0.5, np.float32),
+    "b": np.full(3, 0.01, np.float32),
+    "c": np.array([0.15, -0.15, 0.15, -0.15, 0.15], np.float32),
+    "d": np.full(2, -2.0, np.float32),
+  }
   g2 = dict(g0, b=np.full(3, 100.0, np.float32))
   grads = [g0, g0, g2, g2]
   ref = _numpy_freeze(grads, params, 0.3, 0.5, 0)
@@ -90,24 +109,31 @@ def test_normalised_by_the_mean_over_trainable_leaves_only():
   update = jax.jit(tx.update)
   for g, (imp, frozen) in zip(grads, ref):
     out, state = update(g, state, params)
-    assert {k: bool(v) for k, v in grpo_optax.frozen_mask(state, params).items()} == (
-        frozen)
+    assert {
+      k: bool(v) for k, v in grpo_optax.frozen_mask(state, params).items()
+    } == (frozen)
     for k in params:
       importance = dict(zip(sorted(params), state.importance))
       np.testing.assert_allclose(importance[k], imp[k], rtol=1e-6)
       np.testing.assert_array_equal(out[k], 0 * g[k] if frozen[k] else g[k])
 
 
-@pytest.mark.parametrize("form", [dict(fused=False),
-                                  dict(fused=True, adam_weight=1.0)],
-                         ids=["chain", "fused"])
+@pytest.mark.parametrize(
+  "form",
+  [dict(fused=False), dict(fused=True, adam_weight=1.0)],
+  ids=["chain", "fused"],
+)
 def test_frozen_leaf_stays_put_in_a_full_grpo_chain(form):
   params = _setup()
-  tx = grpo_optax.grpo(1e-2, sparsify=None, freeze_threshold=0.3,
-                       freeze_warmup_steps=2, **form)
+  tx = grpo_optax.grpo(
+    1e-2, sparsify=None, freeze_threshold=0.3, freeze_warmup_steps=2, **form
+  )
   state = tx.init(params)
-  step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
-      *tx.update(g, s, p)))
+  step = jax.jit(
+    lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
+      *tx.update(g, s, p)
+    )
+  )
   g = jax.tree.map(jnp.ones_like, params)
   for _ in range(3):
     params, state = step(params, state, g)
@@ -133,9 +159,15 @@ def test_needs_params():
     tx.update(g, tx.init(g))
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(threshold=-0.1), "threshold"), (dict(decay=1.0), "decay"),
-    (dict(warmup_steps=-1), "warmup_steps"), (dict(warmup_steps=1.5), "warmup_steps")])
+@pytest.mark.parametrize(
+  "kwargs,name",
+  [
+    (dict(threshold=-0.1), "threshold"),
+    (dict(decay=1.0), "decay"),
+    (dict(warmup_steps=-1), "warmup_steps"),
+    (dict(warmup_steps=1.5), "warmup_steps"),
+  ],
+)
 def test_bad_input(kwargs, name):
   with pytest.raises(ValueError, match=name):
     grpo_optax.freeze_below(**kwargs)

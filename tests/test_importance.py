@@ -11,10 +11,17 @@ import grpo_optax
 
 def _seq(steps=25, seed=0):
   rng = np.random.default_rng(seed)
-  params = {"w": rng.normal(size=(6, 5)).astype(np.float32),
-            "b": rng.normal(size=(5,)).astype(np.float32) * 0.1}
-  grads = [{k: rng.normal(size=v.shape).astype(np.float32) * (1 + i % 3)
-            for k, v in params.items()} for i in range(steps)]
+  params = {
+    "w": rng.normal(size=(6, 5)).astype(np.float32),
+    "b": rng.normal(size=(5,)).astype(np.float32) * 0.1,
+  }
+  grads = [
+    {
+      k: rng.normal(size=v.shape).astype(np.float32) * (1 + i % 3)
+      for k, v in params.items()
+    }
+    for i in range(steps)
+  ]
   return params, grads
 
 
@@ -29,11 +36,11 @@ def _numpy_reference(params, grads, order, d, lo, hi, hessians=None):
       gk = g[k].astype(np.float64)
       p = params[k].astype(np.float64)
       if hessians is None:
-        h[k] = d * h[k] + (1 - d) * gk ** 2
+        h[k] = d * h[k] + (1 - d) * gk**2
         h_hat = h[k] / bc
       else:
         h_hat = hessians[t][k]
-      s = np.abs(gk * p) + (0.5 * h_hat * p ** 2 if order == 2 else 0.0)
+      s = np.abs(gk * p) + (0.5 * h_hat * p**2 if order == 2 else 0.0)
       s_ema[k] = d * s_ema[k] + (1 - d) * s
       s_hat = s_ema[k] / bc
       ratio[k] = s_hat / (np.mean(s_hat) + 1e-12)
@@ -45,8 +52,9 @@ def _numpy_reference(params, grads, order, d, lo, hi, hessians=None):
 @pytest.mark.parametrize("order", [1, 2])
 def test_matches_numpy_reference(order):
   params, grads = _seq()
-  tx = grpo_optax.scale_by_importance(order=order, decay=0.8, min_weight=0.2,
-                                      max_weight=3.0)
+  tx = grpo_optax.scale_by_importance(
+    order=order, decay=0.8, min_weight=0.2, max_weight=3.0
+  )
   state = tx.init(params)
   update = jax.jit(tx.update)
   ref, ratio = _numpy_reference(params, grads, order, 0.8, 0.2, 3.0)
@@ -78,8 +86,13 @@ def test_order_matters():
 def test_hessian_diag_extra_arg_replaces_fisher():
   params, grads = _seq(10)
   rng = np.random.default_rng(1)
-  hessians = [{k: np.abs(rng.normal(size=v.shape)).astype(np.float32) * 5
-               for k, v in params.items()} for _ in grads]
+  hessians = [
+    {
+      k: np.abs(rng.normal(size=v.shape)).astype(np.float32) * 5
+      for k, v in params.items()
+    }
+    for _ in grads
+  ]
   tx = grpo_optax.scale_by_importance(decay=0.9)
   state = tx.init(params)
   ref, _ = _numpy_reference(params, grads, 2, 0.9, 0.1, 10.0, hessians)
@@ -92,17 +105,28 @@ def test_hessian_diag_extra_arg_replaces_fisher():
 
 
 def test_head_entropy_multiplies_weights_per_head():
-  params = {"q": jnp.ones((4, 3, 2)), "o": jnp.ones((3, 2, 4)), "b": jnp.ones(4)}
+  params = {
+    "q": jnp.ones((4, 3, 2)),
+    "o": jnp.ones((3, 2, 4)),
+    "b": jnp.ones(4),
+  }
   g = jax.tree.map(jnp.ones_like, params)
   ent = jnp.array([1.0, 2.0, 3.0])
   tx = grpo_optax.scale_by_importance()
   base, _ = tx.update(g, tx.init(params), params)
-  tree = {"q": grpo_optax.per_head(ent, axis=1, ndim=3),
-          "o": grpo_optax.per_head(ent, axis=0, ndim=3), "b": None}
+  tree = {
+    "q": grpo_optax.per_head(ent, axis=1, ndim=3),
+    "o": grpo_optax.per_head(ent, axis=0, ndim=3),
+    "b": None,
+  }
   out, _ = jax.jit(tx.update)(g, tx.init(params), params, head_entropy=tree)
   factor = np.asarray(ent / ent.mean())
-  np.testing.assert_allclose(out["q"], base["q"] * factor[None, :, None], rtol=1e-6)
-  np.testing.assert_allclose(out["o"], base["o"] * factor[:, None, None], rtol=1e-6)
+  np.testing.assert_allclose(
+    out["q"], base["q"] * factor[None, :, None], rtol=1e-6
+  )
+  np.testing.assert_allclose(
+    out["o"], base["o"] * factor[:, None, None], rtol=1e-6
+  )
   np.testing.assert_allclose(out["b"], base["b"], rtol=1e-6)  # jit vs eager
 
 
@@ -127,7 +151,9 @@ def test_diagnostics_follow_the_weights():
   for g in grads:
     out, state = tx.update(g, state, params)
   # weights = out / g, the diagnostics are estimated from a sample (all of it here)
-  w = np.concatenate([(np.asarray(out[k]) / grads[-1][k]).ravel() for k in params])
+  w = np.concatenate(
+    [(np.asarray(out[k]) / grads[-1][k]).ravel() for k in params]
+  )
   np.testing.assert_allclose(state.weight_mean, w.mean(), rtol=1e-4)
   np.testing.assert_allclose(state.weight_std, w.std(), rtol=1e-3)
   assert float(state.score_std) > 0
@@ -141,10 +167,14 @@ def test_diagnostics_of_large_leaves_are_size_weighted_samples():
   means, 4,096 : 600, not 1,024 : 600.
   """
   rng = np.random.default_rng(2)
-  params = {"big": rng.normal(size=(64, 64)).astype(np.float32),
-            "flat": np.full(600, 0.5, np.float32)}
-  g = {"big": rng.normal(size=(64, 64)).astype(np.float32),
-       "flat": np.full(600, -2.0, np.float32)}
+  params = {
+    "big": rng.normal(size=(64, 64)).astype(np.float32),
+    "flat": np.full(600, 0.5, np.float32),
+  }
+  g = {
+    "big": rng.normal(size=(64, 64)).astype(np.float32),
+    "flat": np.full(600, -2.0, np.float32),
+  }
   tx = grpo_optax.scale_by_importance(order=1)
   out, state = tx.update(g, tx.init(params), params)
   w = {k: np.asarray(out[k], np.float64).ravel() / g[k].ravel() for k in g}
@@ -160,13 +190,17 @@ def test_diagnostics_of_large_leaves_are_size_weighted_samples():
   w_mean = mean(samples_w, n)
   np.testing.assert_allclose(state.weight_mean, w_mean, rtol=1e-5)
   np.testing.assert_allclose(
-      state.weight_std,
-      np.sqrt(mean({k: v ** 2 for k, v in samples_w.items()}, n) - w_mean ** 2),
-      rtol=1e-4)
+    state.weight_std,
+    np.sqrt(mean({k: v**2 for k, v in samples_w.items()}, n) - w_mean**2),
+    rtol=1e-4,
+  )
   np.testing.assert_allclose(
-      state.score_std,
-      np.sqrt(mean({k: v ** 2 for k, v in samples_r.items()}, n)
-              - mean(samples_r, n) ** 2), rtol=1e-4)
+    state.score_std,
+    np.sqrt(
+      mean({k: v**2 for k, v in samples_r.items()}, n) - mean(samples_r, n) ** 2
+    ),
+    rtol=1e-4,
+  )
   # Weighting by the sample sizes instead would be off by far more.
   by_sample = mean(samples_w, {"big": 1024, "flat": 600})
   assert abs(by_sample - w_mean) > 1e-3, (by_sample, w_mean)
@@ -186,10 +220,17 @@ def test_params_structure_mismatch():
     tx.update(g, tx.init(g), {"v": jnp.ones(3)})
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(order=3), "order"), (dict(order=0), "order"), (dict(decay=1.0), "decay"),
-    (dict(min_weight=-1.0), "min_weight"), (dict(max_weight=-1.0), "max_weight"),
-    (dict(min_weight=2.0, max_weight=1.0), "max_weight")])
+@pytest.mark.parametrize(
+  "kwargs,name",
+  [
+    (dict(order=3), "order"),
+    (dict(order=0), "order"),
+    (dict(decay=1.0), "decay"),
+    (dict(min_weight=-1.0), "min_weight"),
+    (dict(max_weight=-1.0), "max_weight"),
+    (dict(min_weight=2.0, max_weight=1.0), "max_weight"),
+  ],
+)
 def test_bad_input(kwargs, name):
   with pytest.raises(ValueError, match=name):
     grpo_optax.scale_by_importance(**kwargs)
@@ -201,8 +242,9 @@ def test_weights_are_bounded_and_nan_is_not_hidden():
   g = {"w": jnp.ones(4)}
   out, _ = tx.update(g, tx.init(params), params)
   assert float(jnp.min(out["w"])) >= 0.5 and float(jnp.max(out["w"])) <= 2.0
-  out, _ = tx.update({"w": jnp.array([1.0, jnp.nan, 1.0, 1.0])},
-                     tx.init(params), params)
+  out, _ = tx.update(
+    {"w": jnp.array([1.0, jnp.nan, 1.0, 1.0])}, tx.init(params), params
+  )
   assert bool(jnp.isnan(out["w"]).any())
   safe = optax.apply_if_finite(tx, 2)
   s = safe.init(params)

@@ -20,9 +20,17 @@ def test_state_bytes_per_param():
   n = sum(math.prod(x.shape) for x in leaves)
   # 8-bit: mu and nu, 1 byte per entry + one fp32 scale per block of
   # min(256, last dim) entries along the last axis.
-  want = sum(2 * math.prod(x.shape) + 2 * 4 * math.prod(x.shape[:-1])
-             * math.ceil(x.shape[-1] / min(256, x.shape[-1]))
-             for x in leaves) / n
+  want = (
+    sum(
+      2 * math.prod(x.shape)
+      + 2
+      * 4
+      * math.prod(x.shape[:-1])
+      * math.ceil(x.shape[-1] / min(256, x.shape[-1]))
+      for x in leaves
+    )
+    / n
+  )
   got = memory.state_section(cfg)["bytes_per_param"]
   assert got["adam_fp32"] == 8.0 and got["adam_bf16"] == 4.0
   assert got["adam_int8"] == pytest.approx(want, abs=1e-4)
@@ -31,13 +39,15 @@ def test_state_bytes_per_param():
 
 def test_decoder_loss_is_finite_and_layers_stack():
   cfg = memory.DRY
-  params = memory.gpt_params(jax.random.key(0), cfg["vocab"], cfg["seq"],
-                             cfg["d"], 3)
+  params = memory.gpt_params(
+    jax.random.key(0), cfg["vocab"], cfg["seq"], cfg["d"], 3
+  )
   assert params.layers["qkv"].shape == (3, cfg["d"], 3 * cfg["d"])
   tokens = memory.markov_tokens(jax.random.key(1), cfg["vocab"], 2, cfg["seq"])
   assert tokens.shape == (2, cfg["seq"] + 1)
   loss = memory.training.stacked_loss_fn(
-      memory.gpt_embed, memory.gpt_layer, memory.gpt_head)(params, tokens)
+    memory.gpt_embed, memory.gpt_layer, memory.gpt_head
+  )(params, tokens)
   # Near log(vocab) at initialisation (small logits).
   assert abs(float(loss) - math.log(cfg["vocab"])) < 0.5
 
@@ -47,8 +57,14 @@ def test_gpu_script_dry_run(tmp_path):
   env = dict(os.environ, PYTHON=sys.executable, GPU_SH_OUT=str(tmp_path))
   env.pop("XLA_FLAGS", None)  # one CPU device, as a user's shell has
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  proc = subprocess.run(["bash", "benchmarks/gpu.sh", "--dry-run"], cwd=root,
-                        env=env, capture_output=True, text=True, timeout=900)
+  proc = subprocess.run(
+    ["bash", "benchmarks/gpu.sh", "--dry-run"],
+    cwd=root,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   out = tmp_path / "gpu-dry-run"
   with open(out / "memory.json") as f:
@@ -58,8 +74,10 @@ def test_gpu_script_dry_run(tmp_path):
   assert all(r["fits"] for r in mem["capacity"]["rows"])
   with open(out / "examples_throughput.json") as f:
     assert len(json.load(f)) == 4
-  assert any(name.startswith("step_time") and name.endswith(".json")
-             for name in os.listdir(out))
+  assert any(
+    name.startswith("step_time") and name.endswith(".json")
+    for name in os.listdir(out)
+  )
   # Claims rows 7 and 11 are built from memory.json.
   table, found = claims.build(str(out))
   assert found["memory"]

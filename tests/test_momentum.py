@@ -13,9 +13,13 @@ STEPS = 30
 
 def _grad_seq(steps=STEPS, seed=0):
   rng = np.random.default_rng(seed)
-  return [{"w": rng.normal(size=(5, 3)).astype(np.float32) * (1 + i % 4),
-           "b": rng.normal(size=(3,)).astype(np.float32)}
-          for i in range(steps)]
+  return [
+    {
+      "w": rng.normal(size=(5, 3)).astype(np.float32) * (1 + i % 4),
+      "b": rng.normal(size=(3,)).astype(np.float32),
+    }
+    for i in range(steps)
+  ]
 
 
 def _updates(tx, grads):
@@ -31,16 +35,22 @@ def _updates(tx, grads):
 
 def _assert_trees_close(xs, ys, rtol):
   for x, y in zip(xs, ys):
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol,
-                                                         atol=1e-7), x, y)
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-7), x, y
+    )
 
 
 @pytest.mark.parametrize("eps_root", [0.0, 0.1])  # 0.1: as large as v
 def test_adam_limit(eps_root):
   grads = _grad_seq()
   ours = grpo_optax.scale_by_nesterov_adam_rms(
-      b1=0.8, b2=0.95, eps=1e-6, eps_root=eps_root, adam_weight=1.0,
-      nesterov=False)
+    b1=0.8,
+    b2=0.95,
+    eps=1e-6,
+    eps_root=eps_root,
+    adam_weight=1.0,
+    nesterov=False,
+  )
   ref = optax.scale_by_adam(b1=0.8, b2=0.95, eps=1e-6, eps_root=eps_root)
   _assert_trees_close(_updates(ours, grads), _updates(ref, grads), 1e-5)
 
@@ -56,7 +66,8 @@ def test_rmsprop_limit():
   grads = _grad_seq()
   for nesterov in (True, False):
     ours = grpo_optax.scale_by_nesterov_adam_rms(
-        b2=0.9, eps=1e-7, adam_weight=0.0, nesterov=nesterov)
+      b2=0.9, eps=1e-7, adam_weight=0.0, nesterov=nesterov
+    )
     ref = optax.scale_by_rms(decay=0.9, eps=1e-7, eps_in_sqrt=False)
     _assert_trees_close(_updates(ours, grads), _updates(ref, grads), 1e-5)
 
@@ -64,7 +75,8 @@ def test_rmsprop_limit():
 def test_noise_filter_is_ema_then_adam():
   grads = _grad_seq()
   ours = grpo_optax.scale_by_nesterov_adam_rms(
-      adam_weight=1.0, nesterov=False, filter_decay=0.7)
+    adam_weight=1.0, nesterov=False, filter_decay=0.7
+  )
   ref = optax.chain(optax.ema(0.7, debias=True), optax.scale_by_adam())
   _assert_trees_close(_updates(ours, grads), _updates(ref, grads), 1e-5)
 
@@ -85,10 +97,11 @@ def _numpy_reference(grads, b1, b2, eps, eps_root, w, nesterov, fd):
         f[k] = fd * f[k] + (1 - fd) * gk
         gk = f[k] / (1 - fd ** (t + 1))
       m[k] = b1 * m[k] + (1 - b1) * gk
-      v[k] = b2 * v[k] + (1 - b2) * gk ** 2
+      v[k] = b2 * v[k] + (1 - b2) * gk**2
       if nesterov:
-        m_hat = (b1 * m[k] / (1 - b1 ** (t + 2))
-                 + (1 - b1) * gk / (1 - b1 ** (t + 1)))
+        m_hat = b1 * m[k] / (1 - b1 ** (t + 2)) + (1 - b1) * gk / (
+          1 - b1 ** (t + 1)
+        )
       else:
         m_hat = m[k] / (1 - b1 ** (t + 1))
       v_hat = v[k] / (1 - b2 ** (t + 1))
@@ -99,15 +112,18 @@ def _numpy_reference(grads, b1, b2, eps, eps_root, w, nesterov, fd):
   return outs
 
 
-@pytest.mark.parametrize("w,nesterov,fd", [(0.5, True, None), (0.3, False, 0.6),
-                                           (0.8, True, 0.9)])
+@pytest.mark.parametrize(
+  "w,nesterov,fd", [(0.5, True, None), (0.3, False, 0.6), (0.8, True, 0.9)]
+)
 def test_matches_numpy_reference(w, nesterov, fd):
   grads = _grad_seq()
   kw = dict(b1=0.85, b2=0.97, eps=1e-6, eps_root=1e-9)
   ours = grpo_optax.scale_by_nesterov_adam_rms(
-      adam_weight=w, nesterov=nesterov, filter_decay=fd, **kw)
-  ref = _numpy_reference(grads, kw["b1"], kw["b2"], kw["eps"], kw["eps_root"],
-                         w, nesterov, fd)
+    adam_weight=w, nesterov=nesterov, filter_decay=fd, **kw
+  )
+  ref = _numpy_reference(
+    grads, kw["b1"], kw["b2"], kw["eps"], kw["eps_root"], w, nesterov, fd
+  )
   _assert_trees_close(_updates(ours, grads), ref, 2e-4)
 
 
@@ -121,12 +137,20 @@ def test_mu_dtype():
   assert u["w"].dtype == jnp.float32
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(b1=1.0), "b1"), (dict(b1=-0.1), "b1"), (dict(b2=1.0), "b2"),
-    (dict(b2=float("nan")), "b2"), (dict(eps=-1.0), "eps"),
-    (dict(eps_root=-1e-3), "eps_root"), (dict(adam_weight=1.5), "adam_weight"),
-    (dict(adam_weight=-0.1), "adam_weight"), (dict(filter_decay=1.0), "filter_decay"),
-])
+@pytest.mark.parametrize(
+  "kwargs,name",
+  [
+    (dict(b1=1.0), "b1"),
+    (dict(b1=-0.1), "b1"),
+    (dict(b2=1.0), "b2"),
+    (dict(b2=float("nan")), "b2"),
+    (dict(eps=-1.0), "eps"),
+    (dict(eps_root=-1e-3), "eps_root"),
+    (dict(adam_weight=1.5), "adam_weight"),
+    (dict(adam_weight=-0.1), "adam_weight"),
+    (dict(filter_decay=1.0), "filter_decay"),
+  ],
+)
 def test_bad_input(kwargs, name):
   with pytest.raises(ValueError, match=name + r" must be in [\[(]"):
     grpo_optax.scale_by_nesterov_adam_rms(**kwargs)
@@ -157,21 +181,29 @@ def test_float32_format_is_bit_identical(nesterov, fd):
   grads = _grad_seq(8)
   kw = dict(adam_weight=0.7, nesterov=nesterov, filter_decay=fd)
   ref, ref_state = _trajectory(
-      grpo_optax.scale_by_nesterov_adam_rms(**kw), grads)
-  out, state = _trajectory(grpo_optax.scale_by_nesterov_adam_rms(
-      mu_format="float32", nu_format="float32", **kw), grads)
+    grpo_optax.scale_by_nesterov_adam_rms(**kw), grads
+  )
+  out, state = _trajectory(
+    grpo_optax.scale_by_nesterov_adam_rms(
+      mu_format="float32", nu_format="float32", **kw
+    ),
+    grads,
+  )
   assert jax.tree.structure(state) == jax.tree.structure(ref_state)
-  for a, b in zip(jax.tree.leaves((out, state)), jax.tree.leaves(
-      (ref, ref_state))):
+  for a, b in zip(
+    jax.tree.leaves((out, state)), jax.tree.leaves((ref, ref_state))
+  ):
     np.testing.assert_array_equal(a, b)
 
 
 def test_bfloat16_format_equals_mu_dtype():
   grads = _grad_seq(6)
-  ref, _ = _trajectory(grpo_optax.scale_by_nesterov_adam_rms(
-      mu_dtype=jnp.bfloat16), grads)
-  out, state = _trajectory(grpo_optax.scale_by_nesterov_adam_rms(
-      mu_format="bfloat16"), grads)
+  ref, _ = _trajectory(
+    grpo_optax.scale_by_nesterov_adam_rms(mu_dtype=jnp.bfloat16), grads
+  )
+  out, state = _trajectory(
+    grpo_optax.scale_by_nesterov_adam_rms(mu_format="bfloat16"), grads
+  )
   assert state.mu["w"].dtype == jnp.bfloat16 and state.key is None
   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
     np.testing.assert_array_equal(a, b)
@@ -179,27 +211,32 @@ def test_bfloat16_format_equals_mu_dtype():
 
 def test_stochastic_format_keeps_and_splits_its_key():
   tx = grpo_optax.scale_by_nesterov_adam_rms(
-      mu_format="bfloat16_sr", nu_format="bfloat16_sr", key=jax.random.key(3))
+    mu_format="bfloat16_sr", nu_format="bfloat16_sr", key=jax.random.key(3)
+  )
   params = {"w": jnp.zeros((4, 5))}
   s0 = tx.init(params)
   _, s1 = tx.update({"w": jnp.ones((4, 5))}, s0, params)
   assert s1.mu["w"].dtype == s1.nu["w"].dtype == jnp.bfloat16
-  assert not np.array_equal(jax.random.key_data(s0.key),
-                            jax.random.key_data(s1.key))
+  assert not np.array_equal(
+    jax.random.key_data(s0.key), jax.random.key_data(s1.key)
+  )
 
 
 def test_int8_state_tracks_fp32_adam():
   # Least squares with a badly scaled design; 8-bit moments vs fp32 moments.
   rng = np.random.default_rng(0)
   a = (rng.normal(size=(256, 64)) * np.exp(rng.normal(size=64))).astype(
-      np.float32)
+    np.float32
+  )
   w_true = rng.normal(size=(64, 4)).astype(np.float32)
   y = a @ w_true
   loss = lambda w: jnp.mean((a @ w["w"] - y) ** 2)
 
   def run(**formats):
-    tx = optax.chain(grpo_optax.scale_by_nesterov_adam_rms(
-        adam_weight=1.0, **formats), optax.scale(-1e-2))
+    tx = optax.chain(
+      grpo_optax.scale_by_nesterov_adam_rms(adam_weight=1.0, **formats),
+      optax.scale(-1e-2),
+    )
     w = {"w": jnp.zeros((64, 4))}
     state = tx.init(w)
 
@@ -225,7 +262,8 @@ def test_int8_state_tracks_fp32_adam():
 
 def test_mu_dtype_and_mu_format_exclusive():
   with pytest.raises(ValueError, match="mu_dtype"):
-    grpo_optax.scale_by_nesterov_adam_rms(mu_dtype=jnp.bfloat16,
-                                          mu_format="int8")
+    grpo_optax.scale_by_nesterov_adam_rms(
+      mu_dtype=jnp.bfloat16, mu_format="int8"
+    )
   with pytest.raises(ValueError, match="format"):
     grpo_optax.scale_by_nesterov_adam_rms(nu_format="int3")

@@ -17,13 +17,13 @@ HEADS, DIM, SEQ, VOCAB, CLASSES = 4, 32, 8, 16, 2
 
 
 class Attention(nnx.Module):
-
   def __init__(self, rngs):
     self.query = nnx.LinearGeneral(DIM, (HEADS, DIM // HEADS), rngs=rngs)
     self.key = nnx.LinearGeneral(DIM, (HEADS, DIM // HEADS), rngs=rngs)
     self.value = nnx.LinearGeneral(DIM, (HEADS, DIM // HEADS), rngs=rngs)
-    self.out = nnx.LinearGeneral((HEADS, DIM // HEADS), DIM, axis=(-2, -1),
-                                 rngs=rngs)
+    self.out = nnx.LinearGeneral(
+      (HEADS, DIM // HEADS), DIM, axis=(-2, -1), rngs=rngs
+    )
 
   def __call__(self, x):
     q, k, v = self.query(x), self.key(x), self.value(x)  # [B, T, H, D]
@@ -35,7 +35,6 @@ class Attention(nnx.Module):
 
 
 class Classifier(nnx.Module):
-
   def __init__(self, rngs):
     self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
     self.attn = Attention(rngs)
@@ -72,8 +71,10 @@ def _data():
 def test_nnx_optimizer_trains_attention_model_with_head_entropy():
   model = Classifier(nnx.Rngs(0))
   optimizer = nnx.Optimizer(
-      model, grpo_optax.grpo(3e-3, sparsify="topk",
-                             **grpo_optax.ARTICLE_DEFAULTS), wrt=nnx.Param)
+    model,
+    grpo_optax.grpo(3e-3, sparsify="topk", **grpo_optax.ARTICLE_DEFAULTS),
+    wrt=nnx.Param,
+  )
   tokens, labels = _data()
   seen = []
 
@@ -84,9 +85,12 @@ def test_nnx_optimizer_trains_attention_model_with_head_entropy():
       entropy = inter["attn"]["head_entropy"]
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
       return loss.mean(), entropy
+
     (loss, entropy), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     entropy = jax.lax.stop_gradient(entropy[0])
-    optimizer.update(model, grads, head_entropy=head_entropy_tree(model, entropy))
+    optimizer.update(
+      model, grads, head_entropy=head_entropy_tree(model, entropy)
+    )
     return loss, entropy
 
   first = None
@@ -115,7 +119,10 @@ def test_head_entropy_scales_each_heads_update():
   def grads_of(model):
     def loss_fn(model):
       logits, _ = nnx.capture(model, nnx.Intermediate)(tokens)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+      return optax.softmax_cross_entropy_with_integer_labels(
+        logits, labels
+      ).mean()
+
     return nnx.grad(loss_fn)(model)
 
   g = nnx.jit(grads_of)(model)
@@ -132,23 +139,41 @@ def test_head_entropy_scales_each_heads_update():
   for head_entropy in (None, head_entropy_tree(model, ent)):
     m = nnx.clone(model)
     # A large rate: the parameter change is the update to float32 precision.
-    tx = grpo_optax.grpo(1e5, max_norm=None, sparsify=None, adaptive=False,
-                         variance_coef=None, importance=True)
+    tx = grpo_optax.grpo(
+      1e5,
+      max_norm=None,
+      sparsify=None,
+      adaptive=False,
+      variance_coef=None,
+      importance=True,
+    )
     opt = nnx.Optimizer(m, tx, wrt=nnx.Param)
     update(m, opt, g, head_entropy)
-    deltas.append({name: np.asarray(getattr(m.attn, name).kernel[...])
-                   - np.asarray(getattr(model.attn, name).kernel[...])
-                   for name in ("query", "out")}
-                  | {"head": np.asarray(m.head.kernel[...])
-                     - np.asarray(model.head.kernel[...])})
+    deltas.append(
+      {
+        name: np.asarray(getattr(m.attn, name).kernel[...])
+        - np.asarray(getattr(model.attn, name).kernel[...])
+        for name in ("query", "out")
+      }
+      | {
+        "head": np.asarray(m.head.kernel[...])
+        - np.asarray(model.head.kernel[...])
+      }
+    )
   plain, weighted = deltas
   factor = np.asarray(ent / ent.mean())
   # atol: the rounding of p + u (|p| < 2) is far below most updates.
   assert np.mean(np.abs(plain["query"]) > 1e-2) > 0.9
-  np.testing.assert_allclose(weighted["query"],  # [DIM, H, D]
-                             plain["query"] * factor[None, :, None],
-                             rtol=1e-4, atol=1e-6)
-  np.testing.assert_allclose(weighted["out"],  # [H, D, DIM]
-                             plain["out"] * factor[:, None, None],
-                             rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(
+    weighted["query"],  # [DIM, H, D]
+    plain["query"] * factor[None, :, None],
+    rtol=1e-4,
+    atol=1e-6,
+  )
+  np.testing.assert_allclose(
+    weighted["out"],  # [H, D, DIM]
+    plain["out"] * factor[:, None, None],
+    rtol=1e-4,
+    atol=1e-6,
+  )
   np.testing.assert_array_equal(weighted["head"], plain["head"])

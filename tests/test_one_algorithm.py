@@ -24,15 +24,18 @@ SHAPES = {"w": (64, 48), "v": (3, 40, 16), "b": (8,), "s": ()}
 
 def _params():
   rng = np.random.default_rng(0)
-  return {k: jnp.asarray(rng.normal(size=s), jnp.float32)
-          for k, s in SHAPES.items()}
+  return {
+    k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in SHAPES.items()
+  }
 
 
 def _grads(t):
   rng = np.random.default_rng(100 + t)
   # Heavy-tailed and drifting in scale, so masks and thresholds move.
-  return {k: jnp.asarray(rng.standard_t(3, size=s) * (1 + 0.1 * t),
-                         jnp.float32) for k, s in SHAPES.items()}
+  return {
+    k: jnp.asarray(rng.standard_t(3, size=s) * (1 + 0.1 * t), jnp.float32)
+    for k, s in SHAPES.items()
+  }
 
 
 def _run(tx, steps):
@@ -50,38 +53,74 @@ def _run(tx, steps):
 # Grids of settings the fused core honours; together they set every keyword
 # of grpo() off its default (checked below).
 GRID = {
-    "topk": dict(
-        learning_rate=optax.linear_schedule(0.05, 0.01, 10), max_norm=0.5,
-        l2=1e-3, weight_decay=1e-2,
-        weight_decay_mask={"w": True, "v": False, "b": True, "s": False},
-        fraction=0.4, min_size=100, sparsify_warmup_steps=5, seed=7, b1=0.8,
-        b2=0.95, eps=1e-3, eps_root=1e-4, adam_weight=0.3, nesterov=False,
-        rms_bias_correction=True, mu_dtype=jnp.float32, nu_dtype=jnp.float32,
-        variance_coef=0.5, variance_decay=0.9, variance_reduction="element",
-        variance_normalize=True, variance_eps=1e-6, freeze_threshold=0.5,
-        freeze_decay=0.6, freeze_warmup_steps=3),
-    "threshold_importance_input": dict(
-        learning_rate=0.02, max_norm=None, l2=1e-2, importance=True,
-        importance_order=1, importance_decay=0.8, min_weight=0.3,
-        max_weight=2.5, sparsify="threshold", alpha=0.4, every=3,
-        threshold_scale=0.8, error_feedback=False, min_size=0,
-        variance_coef=0.2, variance_reduction="global"),
-    "dense_importance_output": dict(
-        sparsify=None, importance=True, importance_placement="output",
-        max_norm=2.0, adam_weight=0.0),
-    "topk_article": dict(grpo_optax.ARTICLE_DEFAULTS, fraction=0.2),
+  "topk": dict(
+    learning_rate=optax.linear_schedule(0.05, 0.01, 10),
+    max_norm=0.5,
+    l2=1e-3,
+    weight_decay=1e-2,
+    weight_decay_mask={"w": True, "v": False, "b": True, "s": False},
+    fraction=0.4,
+    min_size=100,
+    sparsify_warmup_steps=5,
+    seed=7,
+    b1=0.8,
+    b2=0.95,
+    eps=1e-3,
+    eps_root=1e-4,
+    adam_weight=0.3,
+    nesterov=False,
+    rms_bias_correction=True,
+    mu_dtype=jnp.float32,
+    nu_dtype=jnp.float32,
+    variance_coef=0.5,
+    variance_decay=0.9,
+    variance_reduction="element",
+    variance_normalize=True,
+    variance_eps=1e-6,
+    freeze_threshold=0.5,
+    freeze_decay=0.6,
+    freeze_warmup_steps=3,
+  ),
+  "threshold_importance_input": dict(
+    learning_rate=0.02,
+    max_norm=None,
+    l2=1e-2,
+    importance=True,
+    importance_order=1,
+    importance_decay=0.8,
+    min_weight=0.3,
+    max_weight=2.5,
+    sparsify="threshold",
+    alpha=0.4,
+    every=3,
+    threshold_scale=0.8,
+    error_feedback=False,
+    min_size=0,
+    variance_coef=0.2,
+    variance_reduction="global",
+  ),
+  "dense_importance_output": dict(
+    sparsify=None,
+    importance=True,
+    importance_placement="output",
+    max_norm=2.0,
+    adam_weight=0.0,
+  ),
+  "topk_article": dict(grpo_optax.ARTICLE_DEFAULTS, fraction=0.2),
 }
 
 
 def _close(a, b):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5,
-                               atol=1e-7)
+    np.testing.assert_allclose(
+      np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7
+    )
 
 
 def _mask_states(state):
   return grpo_optax.diagnostics.find_states(
-      state, (grpo_optax.TopKMaskState, grpo_optax.EmaThresholdMaskState))
+    state, (grpo_optax.TopKMaskState, grpo_optax.EmaThresholdMaskState)
+  )
 
 
 @pytest.mark.parametrize("name", sorted(GRID))
@@ -92,12 +131,18 @@ def test_fused_core_equals_the_chain_of_its_rooms(name):
   u_f, s_f = _run(fused_tx, 20)
   u_c, s_c = _run(chain_tx, 20)
   # The default form really is the fused core; the chain really is not.
-  assert any(isinstance(s, grpo_optax.FusedState)
-             for s in jax.tree.leaves(s_f, is_leaf=lambda x: isinstance(
-                 x, grpo_optax.FusedState)))
-  assert not any(isinstance(s, grpo_optax.FusedState)
-                 for s in jax.tree.leaves(s_c, is_leaf=lambda x: isinstance(
-                     x, grpo_optax.FusedState)))
+  assert any(
+    isinstance(s, grpo_optax.FusedState)
+    for s in jax.tree.leaves(
+      s_f, is_leaf=lambda x: isinstance(x, grpo_optax.FusedState)
+    )
+  )
+  assert not any(
+    isinstance(s, grpo_optax.FusedState)
+    for s in jax.tree.leaves(
+      s_c, is_leaf=lambda x: isinstance(x, grpo_optax.FusedState)
+    )
+  )
   for t, (a, b) in enumerate(zip(u_f, u_c)):
     try:
       _close(a, b)
@@ -112,78 +157,98 @@ def test_fused_core_equals_the_chain_of_its_rooms(name):
 
 
 def test_the_grid_sets_every_keyword_off_its_default():
-  defaults = {n: p.default for n, p in inspect.signature(
-      grpo_optax.grpo).parameters.items()}
-  changed = {k for kw in GRID.values() for k, v in kw.items()
-             if v is not defaults[k] and not (
-                 isinstance(v, (int, float, str, bool, type(None)))
-                 and v == defaults[k])}
+  defaults = {
+    n: p.default
+    for n, p in inspect.signature(grpo_optax.grpo).parameters.items()
+  }
+  changed = {
+    k
+    for kw in GRID.values()
+    for k, v in kw.items()
+    if v is not defaults[k]
+    and not (
+      isinstance(v, (int, float, str, bool, type(None))) and v == defaults[k]
+    )
+  }
   # Keywords whose other values the fused core refuses (tested below).
-  chain_only = {"topk_method", "frequency_weight", "filter_decay", "adaptive",
-                "fused"}
+  chain_only = {
+    "topk_method",
+    "frequency_weight",
+    "filter_decay",
+    "adaptive",
+    "fused",
+  }
   assert set(defaults) - changed - chain_only == set()
 
 
-@pytest.mark.parametrize("kw", [dict(topk_method="exact"),
-                                dict(frequency_weight=0.2),
-                                dict(filter_decay=0.5),
-                                dict(adaptive=False)])
+@pytest.mark.parametrize(
+  "kw",
+  [
+    dict(topk_method="exact"),
+    dict(frequency_weight=0.2),
+    dict(filter_decay=0.5),
+    dict(adaptive=False),
+  ],
+)
 def test_fused_true_refuses_what_it_cannot_honour(kw):
   with pytest.raises(ValueError, match=list(kw)[0]):
     grpo_optax.grpo(**kw, fused=True)
   # The default picks the chain for these settings, which honours them.
   state = grpo_optax.grpo(**kw).init(_params())
-  assert not any(isinstance(s, grpo_optax.FusedState) for s in
-                 jax.tree.leaves(state, is_leaf=lambda x: isinstance(
-                     x, grpo_optax.FusedState)))
+  assert not any(
+    isinstance(s, grpo_optax.FusedState)
+    for s in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, grpo_optax.FusedState)
+    )
+  )
 
 
 # keyword -> (base settings under which it acts, another value).
 KNOBS = {
-    "learning_rate": ({}, 0.05),
-    "max_norm": ({}, 0.3),
-    "l2": ({}, 0.1),
-    "weight_decay": ({}, 0.5),
-    "weight_decay_mask": ({"weight_decay": 0.5},
-                          {"w": False, "v": True, "b": True, "s": True}),
-    "importance": ({}, True),
-    "importance_order": ({"importance": True}, 1),
-    "importance_decay": ({"importance": True}, 0.5),
-    "importance_placement": ({"importance": True}, "output"),
-    "min_weight": ({"importance": True}, 0.9),
-    "max_weight": ({"importance": True}, 1.1),
-    "sparsify": ({}, "threshold"),
-    "fraction": ({}, 0.1),
-    "topk_method": ({}, "exact"),
-    "error_feedback": ({}, False),
-    "frequency_weight": ({}, 0.5),
-    "min_size": ({}, 0),
-    "sparsify_warmup_steps": ({}, 3),
-    "alpha": ({"sparsify": "threshold", "every": 1}, 0.2),
-    "every": ({"sparsify": "threshold", "alpha": 0.5}, 1),
-    "threshold_scale": ({"sparsify": "threshold"}, 1.5),
-    "adaptive": ({}, False),
-    "b1": ({}, 0.5),
-    "b2": ({}, 0.9),
-    "eps": ({}, 1.0),
-    "eps_root": ({}, 1.0),
-    "adam_weight": ({}, 0.3),
-    "nesterov": ({}, False),
-    "rms_bias_correction": ({"adam_weight": 0.5}, True),
-    "filter_decay": ({}, 0.5),
-    "mu_dtype": ({}, jnp.bfloat16),
-    "nu_dtype": ({}, jnp.bfloat16),
-    "variance_coef": ({}, 0.5),
-    "variance_decay": ({"variance_coef": 100.0}, 0.5),
-    "variance_reduction": ({"variance_coef": 100.0}, "element"),
-    "variance_normalize": ({"variance_coef": 100.0}, True),
-    "variance_eps": ({"variance_coef": 100.0, "variance_normalize": True},
-                     10.0),
-    "freeze_threshold": ({"freeze_warmup_steps": 0}, 0.9),
-    "freeze_decay": ({"freeze_threshold": 0.9, "freeze_warmup_steps": 1},
-                     0.0),
-    "freeze_warmup_steps": ({"freeze_threshold": 0.9}, 0),
-    "seed": ({"min_size": 0}, 3),
+  "learning_rate": ({}, 0.05),
+  "max_norm": ({}, 0.3),
+  "l2": ({}, 0.1),
+  "weight_decay": ({}, 0.5),
+  "weight_decay_mask": (
+    {"weight_decay": 0.5},
+    {"w": False, "v": True, "b": True, "s": True},
+  ),
+  "importance": ({}, True),
+  "importance_order": ({"importance": True}, 1),
+  "importance_decay": ({"importance": True}, 0.5),
+  "importance_placement": ({"importance": True}, "output"),
+  "min_weight": ({"importance": True}, 0.9),
+  "max_weight": ({"importance": True}, 1.1),
+  "sparsify": ({}, "threshold"),
+  "fraction": ({}, 0.1),
+  "topk_method": ({}, "exact"),
+  "error_feedback": ({}, False),
+  "frequency_weight": ({}, 0.5),
+  "min_size": ({}, 0),
+  "sparsify_warmup_steps": ({}, 3),
+  "alpha": ({"sparsify": "threshold", "every": 1}, 0.2),
+  "every": ({"sparsify": "threshold", "alpha": 0.5}, 1),
+  "threshold_scale": ({"sparsify": "threshold"}, 1.5),
+  "adaptive": ({}, False),
+  "b1": ({}, 0.5),
+  "b2": ({}, 0.9),
+  "eps": ({}, 1.0),
+  "eps_root": ({}, 1.0),
+  "adam_weight": ({}, 0.3),
+  "nesterov": ({}, False),
+  "rms_bias_correction": ({"adam_weight": 0.5}, True),
+  "filter_decay": ({}, 0.5),
+  "mu_dtype": ({}, jnp.bfloat16),
+  "nu_dtype": ({}, jnp.bfloat16),
+  "variance_coef": ({}, 0.5),
+  "variance_decay": ({"variance_coef": 100.0}, 0.5),
+  "variance_reduction": ({"variance_coef": 100.0}, "element"),
+  "variance_normalize": ({"variance_coef": 100.0}, True),
+  "variance_eps": ({"variance_coef": 100.0, "variance_normalize": True}, 10.0),
+  "freeze_threshold": ({"freeze_warmup_steps": 0}, 0.9),
+  "freeze_decay": ({"freeze_threshold": 0.9, "freeze_warmup_steps": 1}, 0.0),
+  "freeze_warmup_steps": ({"freeze_threshold": 0.9}, 0),
+  "seed": ({"min_size": 0}, 3),
 }
 
 
@@ -199,8 +264,9 @@ def test_every_keyword_changes_the_update(name, fused):
   steps = 4
   u0, _ = _run(grpo_optax.grpo(**base, fused=fused), steps)
   u1, _ = _run(grpo_optax.grpo(**{**base, name: value}, fused=fused), steps)
-  diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32)
-                                   - b.astype(jnp.float32))))
-             for x, y in zip(u0, u1)
-             for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)))
+  diff = max(
+    float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+    for x, y in zip(u0, u1)
+    for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y))
+  )
   assert diff > 0, f"{name}={value!r} did not change the update"

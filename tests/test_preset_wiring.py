@@ -29,57 +29,59 @@ PRESET_FORM: dict = {"fused": False}
 
 # Stage order of the chain (docs/design.md) and the factory of each stage.
 STAGES = {
-    "clip": grpo_optax.clip_with_l2,
-    "importance": grpo_optax.scale_by_importance,
-    "topk": grpo_optax.top_k_mask,
-    "threshold": grpo_optax.ema_threshold_mask,
-    "adaptive": grpo_optax.scale_by_nesterov_adam_rms,
-    "variance": grpo_optax.scale_by_variance_lr,
-    "decay": optax.add_decayed_weights,
-    "lr": optax.scale_by_learning_rate,
-    "freeze": grpo_optax.freeze_below,
+  "clip": grpo_optax.clip_with_l2,
+  "importance": grpo_optax.scale_by_importance,
+  "topk": grpo_optax.top_k_mask,
+  "threshold": grpo_optax.ema_threshold_mask,
+  "adaptive": grpo_optax.scale_by_nesterov_adam_rms,
+  "variance": grpo_optax.scale_by_variance_lr,
+  "decay": optax.add_decayed_weights,
+  "lr": optax.scale_by_learning_rate,
+  "freeze": grpo_optax.freeze_below,
 }
 
 # keyword of grpo -> [(stage, argument of the stage factory), ...]
 WIRING = {
-    "learning_rate": [("lr", "learning_rate")],
-    "max_norm": [("clip", "max_norm")],
-    "l2": [("clip", "l2")],
-    "importance_order": [("importance", "order")],
-    "importance_decay": [("importance", "decay")],
-    "min_weight": [("importance", "min_weight")],
-    "max_weight": [("importance", "max_weight")],
-    "fraction": [("topk", "fraction")],
-    "topk_method": [("topk", "method")],
-    "error_feedback": [("topk", "error_feedback"),
-                       ("threshold", "error_feedback")],
-    "frequency_weight": [("topk", "frequency_weight")],
-    "min_size": [("topk", "min_size"), ("threshold", "min_size")],
-    "sparsify_warmup_steps": [("topk", "warmup_steps")],
-    "seed": [("topk", "seed")],
-    "alpha": [("threshold", "alpha")],
-    "every": [("threshold", "every")],
-    "threshold_scale": [("threshold", "scale")],
-    "b1": [("adaptive", "b1")],
-    "b2": [("adaptive", "b2")],
-    "eps": [("adaptive", "eps")],
-    "eps_root": [("adaptive", "eps_root")],
-    "adam_weight": [("adaptive", "adam_weight")],
-    "nesterov": [("adaptive", "nesterov")],
-    "filter_decay": [("adaptive", "filter_decay")],
-    "rms_bias_correction": [("adaptive", "rms_bias_correction")],
-    "mu_dtype": [("adaptive", "mu_dtype")],
-    "nu_dtype": [("adaptive", "nu_dtype")],
-    "weight_decay": [("decay", "weight_decay")],
-    "weight_decay_mask": [("decay", "mask")],
-    "variance_coef": [("variance", "coef")],
-    "variance_decay": [("variance", "decay")],
-    "variance_reduction": [("variance", "reduction")],
-    "variance_normalize": [("variance", "normalize")],
-    "variance_eps": [("variance", "eps")],
-    "freeze_threshold": [("freeze", "threshold")],
-    "freeze_decay": [("freeze", "decay")],
-    "freeze_warmup_steps": [("freeze", "warmup_steps")],
+  "learning_rate": [("lr", "learning_rate")],
+  "max_norm": [("clip", "max_norm")],
+  "l2": [("clip", "l2")],
+  "importance_order": [("importance", "order")],
+  "importance_decay": [("importance", "decay")],
+  "min_weight": [("importance", "min_weight")],
+  "max_weight": [("importance", "max_weight")],
+  "fraction": [("topk", "fraction")],
+  "topk_method": [("topk", "method")],
+  "error_feedback": [
+    ("topk", "error_feedback"),
+    ("threshold", "error_feedback"),
+  ],
+  "frequency_weight": [("topk", "frequency_weight")],
+  "min_size": [("topk", "min_size"), ("threshold", "min_size")],
+  "sparsify_warmup_steps": [("topk", "warmup_steps")],
+  "seed": [("topk", "seed")],
+  "alpha": [("threshold", "alpha")],
+  "every": [("threshold", "every")],
+  "threshold_scale": [("threshold", "scale")],
+  "b1": [("adaptive", "b1")],
+  "b2": [("adaptive", "b2")],
+  "eps": [("adaptive", "eps")],
+  "eps_root": [("adaptive", "eps_root")],
+  "adam_weight": [("adaptive", "adam_weight")],
+  "nesterov": [("adaptive", "nesterov")],
+  "filter_decay": [("adaptive", "filter_decay")],
+  "rms_bias_correction": [("adaptive", "rms_bias_correction")],
+  "mu_dtype": [("adaptive", "mu_dtype")],
+  "nu_dtype": [("adaptive", "nu_dtype")],
+  "weight_decay": [("decay", "weight_decay")],
+  "weight_decay_mask": [("decay", "mask")],
+  "variance_coef": [("variance", "coef")],
+  "variance_decay": [("variance", "decay")],
+  "variance_reduction": [("variance", "reduction")],
+  "variance_normalize": [("variance", "normalize")],
+  "variance_eps": [("variance", "eps")],
+  "freeze_threshold": [("freeze", "threshold")],
+  "freeze_decay": [("freeze", "decay")],
+  "freeze_warmup_steps": [("freeze", "warmup_steps")],
 }
 # Keywords that switch stages on and off (their effect is the chain's
 # structure, compared exactly by the equality test).
@@ -88,51 +90,122 @@ SWITCHES = ("importance", "sparsify", "adaptive", "importance_placement")
 # The seed defaults (the articles): grpo(**ARTICLE_DEFAULTS) must use exactly
 # these (grpo()'s own defaults were then chosen by measurement).
 SEED_DEFAULTS = dict(
-    learning_rate=1e-3, max_norm=1.0, l2=None, weight_decay=None,
-    weight_decay_mask=None, nu_dtype=None, importance=True,
-    importance_order=2, importance_decay=0.9, min_weight=0.1, max_weight=10.0,
-    sparsify="topk", fraction=0.3, topk_method="sampled", error_feedback=True,
-    frequency_weight=None, min_size=0, sparsify_warmup_steps=0, alpha=0.7,
-    every=100, threshold_scale=1.0, adaptive=True, b1=0.9, b2=0.999, eps=1e-8,
-    eps_root=0.0, adam_weight=0.5, nesterov=True, filter_decay=None,
-    mu_dtype=None, variance_coef=0.1, variance_decay=0.99,
-    variance_reduction="leaf", variance_normalize=False, variance_eps=1e-12,
-    importance_placement="input", rms_bias_correction=False,
-    freeze_threshold=None,
-    freeze_decay=0.9, freeze_warmup_steps=100, seed=0)
+  learning_rate=1e-3,
+  max_norm=1.0,
+  l2=None,
+  weight_decay=None,
+  weight_decay_mask=None,
+  nu_dtype=None,
+  importance=True,
+  importance_order=2,
+  importance_decay=0.9,
+  min_weight=0.1,
+  max_weight=10.0,
+  sparsify="topk",
+  fraction=0.3,
+  topk_method="sampled",
+  error_feedback=True,
+  frequency_weight=None,
+  min_size=0,
+  sparsify_warmup_steps=0,
+  alpha=0.7,
+  every=100,
+  threshold_scale=1.0,
+  adaptive=True,
+  b1=0.9,
+  b2=0.999,
+  eps=1e-8,
+  eps_root=0.0,
+  adam_weight=0.5,
+  nesterov=True,
+  filter_decay=None,
+  mu_dtype=None,
+  variance_coef=0.1,
+  variance_decay=0.99,
+  variance_reduction="leaf",
+  variance_normalize=False,
+  variance_eps=1e-12,
+  importance_placement="input",
+  rms_bias_correction=False,
+  freeze_threshold=None,
+  freeze_decay=0.9,
+  freeze_warmup_steps=100,
+  seed=0,
+)
 
 # grpo()'s own defaults (the base of the explicit chains below).
-DEFAULTS = {name: p.default for name, p in inspect.signature(
-    grpo_optax.grpo).parameters.items() if name not in PRESET_FORM}
+DEFAULTS = {
+  name: p.default
+  for name, p in inspect.signature(grpo_optax.grpo).parameters.items()
+  if name not in PRESET_FORM
+}
 
 # Every value differs from its default and from the other knobs of the
 # same kind (decays, epsilons), so a knob passed to the wrong stage shows.
 GRID = {
-    "topk_sampled": dict(
-        importance=True,
-        learning_rate=optax.linear_schedule(0.05, 0.01, 4), max_norm=0.5,
-        l2=1e-3, importance_decay=0.8, min_weight=0.3, max_weight=2.5,
-        fraction=0.4, frequency_weight=0.2, min_size=10,
-        sparsify_warmup_steps=3, seed=7, b1=0.8, b2=0.95, eps=1e-3,
-        eps_root=1e-4, adam_weight=0.3, nesterov=False, filter_decay=0.6,
-        variance_coef=0.5, variance_decay=0.9, variance_reduction="element",
-        variance_normalize=True, freeze_threshold=0.5, freeze_decay=0.6,
-        freeze_warmup_steps=2, weight_decay=0.05,
-        weight_decay_mask={"big": True, "mid": False, "small": True}),
-    "threshold": dict(
-        learning_rate=0.02, max_norm=None, l2=1e-2, importance=True,
-        importance_order=1,
-        sparsify="threshold", alpha=0.4, every=2, threshold_scale=0.8,
-        error_feedback=False, adam_weight=0.8, mu_dtype=jnp.bfloat16,
-        nu_dtype=jnp.bfloat16,
-        variance_coef=2.0, variance_reduction="global", variance_eps=1e-3,
-        variance_normalize=True,  # variance_eps acts only when normalising
-        importance_placement="output", rms_bias_correction=True),
-    "exact_topk_only": dict(
-        learning_rate=0.1, max_norm=None, importance=False, topk_method="exact",
-        fraction=0.25, error_feedback=False, adaptive=False, variance_coef=None),
-    "defaults": dict(),
-    "article_defaults": dict(grpo_optax.ARTICLE_DEFAULTS),
+  "topk_sampled": dict(
+    importance=True,
+    learning_rate=optax.linear_schedule(0.05, 0.01, 4),
+    max_norm=0.5,
+    l2=1e-3,
+    importance_decay=0.8,
+    min_weight=0.3,
+    max_weight=2.5,
+    fraction=0.4,
+    frequency_weight=0.2,
+    min_size=10,
+    sparsify_warmup_steps=3,
+    seed=7,
+    b1=0.8,
+    b2=0.95,
+    eps=1e-3,
+    eps_root=1e-4,
+    adam_weight=0.3,
+    nesterov=False,
+    filter_decay=0.6,
+    variance_coef=0.5,
+    variance_decay=0.9,
+    variance_reduction="element",
+    variance_normalize=True,
+    freeze_threshold=0.5,
+    freeze_decay=0.6,
+    freeze_warmup_steps=2,
+    weight_decay=0.05,
+    weight_decay_mask={"big": True, "mid": False, "small": True},
+  ),
+  "threshold": dict(
+    learning_rate=0.02,
+    max_norm=None,
+    l2=1e-2,
+    importance=True,
+    importance_order=1,
+    sparsify="threshold",
+    alpha=0.4,
+    every=2,
+    threshold_scale=0.8,
+    error_feedback=False,
+    adam_weight=0.8,
+    mu_dtype=jnp.bfloat16,
+    nu_dtype=jnp.bfloat16,
+    variance_coef=2.0,
+    variance_reduction="global",
+    variance_eps=1e-3,
+    variance_normalize=True,  # variance_eps acts only when normalising
+    importance_placement="output",
+    rms_bias_correction=True,
+  ),
+  "exact_topk_only": dict(
+    learning_rate=0.1,
+    max_norm=None,
+    importance=False,
+    topk_method="exact",
+    fraction=0.25,
+    error_feedback=False,
+    adaptive=False,
+    variance_coef=None,
+  ),
+  "defaults": dict(),
+  "article_defaults": dict(grpo_optax.ARTICLE_DEFAULTS),
 }
 STEPS = 5
 
@@ -148,26 +221,31 @@ def _stage_kwargs(kw: dict, stage: str) -> dict:
   return out
 
 
-def explicit_stages(**overrides) -> list[tuple[str, optax.GradientTransformation]]:
+def explicit_stages(
+  **overrides,
+) -> list[tuple[str, optax.GradientTransformation]]:
   """The stages of the preset chain, built from the wiring table."""
   kw = {**DEFAULTS, **overrides}
   on = {
-      "clip": kw["max_norm"] is not None or kw["l2"] is not None,
-      "importance": kw["importance"],
-      "topk": kw["sparsify"] == "topk",
-      "threshold": kw["sparsify"] == "threshold",
-      "adaptive": kw["adaptive"],
-      "variance": kw["variance_coef"] is not None,
-      "decay": kw["weight_decay"] is not None,
-      "lr": True,
-      "freeze": kw["freeze_threshold"] is not None,
+    "clip": kw["max_norm"] is not None or kw["l2"] is not None,
+    "importance": kw["importance"],
+    "topk": kw["sparsify"] == "topk",
+    "threshold": kw["sparsify"] == "threshold",
+    "adaptive": kw["adaptive"],
+    "variance": kw["variance_coef"] is not None,
+    "decay": kw["weight_decay"] is not None,
+    "lr": True,
+    "freeze": kw["freeze_threshold"] is not None,
   }
   order = list(STAGES)
   if kw["importance_placement"] == "output":  # after the adaptive step
     order.remove("importance")
     order.insert(order.index("adaptive") + 1, "importance")
-  return [(name, STAGES[name](**_stage_kwargs(kw, name)))
-          for name in order if on[name]]
+  return [
+    (name, STAGES[name](**_stage_kwargs(kw, name)))
+    for name in order
+    if on[name]
+  ]
 
 
 def _params():
@@ -175,28 +253,38 @@ def _params():
   # "big" is sampled by the sampled top-k (2,304 > 1,024 entries); "small"
   # is below the grid's min_size and its tiny params get it frozen; "mid"
   # freezes under the grid's threshold 0.5, not under the default 0.3.
-  return {"big": jnp.asarray(rng.normal(size=(48, 48)), jnp.float32),
-          "mid": jnp.full((4, 5), 0.1, jnp.float32),
-          "small": jnp.full((6,), 1e-3, jnp.float32)}
+  return {
+    "big": jnp.asarray(rng.normal(size=(48, 48)), jnp.float32),
+    "mid": jnp.full((4, 5), 0.1, jnp.float32),
+    "small": jnp.full((6,), 1e-3, jnp.float32),
+  }
 
 
 def _grads(i, params):
   rng = np.random.default_rng(100 + i)
-  return {k: jnp.asarray(rng.normal(size=v.shape) * (1 + i), jnp.float32)
-          for k, v in params.items()}
+  return {
+    k: jnp.asarray(rng.normal(size=v.shape) * (1 + i), jnp.float32)
+    for k, v in params.items()
+  }
 
 
 def _extra(params):
   """Extra args for the importance and variance stages."""
   rng = np.random.default_rng(1)
   return dict(
-      hessian_diag={k: jnp.asarray(np.abs(rng.normal(size=v.shape)), v.dtype)
-                    for k, v in params.items()},
-      head_entropy={"big": grpo_optax.per_head(jnp.linspace(0.5, 2.0, 48),
-                                               axis=0, ndim=2),
-                    **{k: None for k in params if k != "big"}},
-      grad_variance={k: jnp.asarray(np.abs(rng.normal(size=v.shape)), v.dtype)
-                     for k, v in params.items()})
+    hessian_diag={
+      k: jnp.asarray(np.abs(rng.normal(size=v.shape)), v.dtype)
+      for k, v in params.items()
+    },
+    head_entropy={
+      "big": grpo_optax.per_head(jnp.linspace(0.5, 2.0, 48), axis=0, ndim=2),
+      **{k: None for k in params if k != "big"},
+    },
+    grad_variance={
+      k: jnp.asarray(np.abs(rng.normal(size=v.shape)), v.dtype)
+      for k, v in params.items()
+    },
+  )
 
 
 def _assert_trees_equal(a, b, what):
@@ -212,7 +300,8 @@ def test_article_defaults_are_the_seed_defaults():
   assert got == want
   # The measured defaults differ from the articles' in these keywords only.
   assert {k for k in DEFAULTS if DEFAULTS[k] != want[k]} == set(
-      grpo_optax.ARTICLE_DEFAULTS)
+    grpo_optax.ARTICLE_DEFAULTS
+  )
 
 
 def test_grid_covers_every_keyword():
@@ -220,8 +309,12 @@ def test_grid_covers_every_keyword():
   names = set(inspect.signature(grpo_optax.grpo).parameters) - set(PRESET_FORM)
   assert names == set(WIRING) | set(SWITCHES)
   for knob in names:
-    assert any(knob in kw and kw[knob] is not DEFAULTS[knob]
-               and kw[knob] != DEFAULTS[knob] for kw in GRID.values()), knob
+    assert any(
+      knob in kw
+      and kw[knob] is not DEFAULTS[knob]
+      and kw[knob] != DEFAULTS[knob]
+      for kw in GRID.values()
+    ), knob
 
 
 @pytest.mark.parametrize("name", list(GRID))
@@ -234,8 +327,10 @@ def test_grpo_equals_the_explicit_chain(name):
 
   @jax.jit
   def both(g, s1, s2):  # one program: XLA shares the identical work
-    return (tx.update(g, s1, params, **extra),
-            chain.update(g, s2, params, **extra))
+    return (
+      tx.update(g, s1, params, **extra),
+      chain.update(g, s2, params, **extra),
+    )
 
   s1, s2 = tx.init(params), chain.init(params)
   _assert_trees_equal(s1, s2, "init")
@@ -264,10 +359,11 @@ def _run_stage(tx, inputs, params, extra):
 def _differ(a, b) -> bool:
   if jax.tree.structure(a) != jax.tree.structure(b):
     return True
-  return any(jnp.asarray(x).dtype != jnp.asarray(y).dtype
-             or not np.array_equal(np.asarray(x, np.float64),
-                                   np.asarray(y, np.float64))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return any(
+    jnp.asarray(x).dtype != jnp.asarray(y).dtype
+    or not np.array_equal(np.asarray(x, np.float64), np.asarray(y, np.float64))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
 
 
 def check_every_knob_changes_its_stage(name: str) -> list[str]:
@@ -298,8 +394,14 @@ def check_every_knob_changes_its_stage(name: str) -> list[str]:
   inputs = {st: [] for st, _ in stages}
   references = {}
   states = [tx.init(params) for _, tx in stages]
-  updates = [jax.jit(lambda g, s, tx=optax.with_extra_args_support(tx):
-                     tx.update(g, s, params, **extra)) for _, tx in stages]
+  updates = [
+    jax.jit(
+      lambda g, s, tx=optax.with_extra_args_support(tx): tx.update(  # noqa: B008
+        g, s, params, **extra
+      )
+    )
+    for _, tx in stages
+  ]
   outs = {st: [] for st, _ in stages}
   for i in range(STEPS):
     x = _grads(i, params)
@@ -313,13 +415,17 @@ def check_every_knob_changes_its_stage(name: str) -> list[str]:
     for stage, arg in targets:
       if stage not in references:
         continue
-      default = (DEFAULTS[knob] if stage == "lr"
-                 else _factory_default(stage, arg))
+      default = (
+        DEFAULTS[knob] if stage == "lr" else _factory_default(stage, arg)
+      )
       if default is kw[knob] or default == kw[knob]:
         continue
       changed = _run_stage(
-          STAGES[stage](**{**_stage_kwargs(kw, stage), arg: default}),
-          inputs[stage], params, extra)
+        STAGES[stage](**{**_stage_kwargs(kw, stage), arg: default}),
+        inputs[stage],
+        params,
+        extra,
+      )
       assert _differ(references[stage], changed), (knob, stage)
       checked.add(knob)
   expected = {k for k in GRID[name] if k in WIRING}

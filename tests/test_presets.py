@@ -19,10 +19,16 @@ def _data():
 
 def _init():
   k1, k2 = jax.random.split(jax.random.key(0))
-  return {"hidden": {"kernel": 0.3 * jax.random.normal(k1, (16, 32)),
-                     "bias": jnp.zeros(32)},
-          "out": {"kernel": 0.3 * jax.random.normal(k2, (32, 4)),
-                  "bias": jnp.zeros(4)}}
+  return {
+    "hidden": {
+      "kernel": 0.3 * jax.random.normal(k1, (16, 32)),
+      "bias": jnp.zeros(32),
+    },
+    "out": {
+      "kernel": 0.3 * jax.random.normal(k2, (32, 4)),
+      "bias": jnp.zeros(4),
+    },
+  }
 
 
 def _loss(params, x, y):
@@ -31,11 +37,17 @@ def _loss(params, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(sparsify="topk"), dict(sparsify="topk", topk_method="exact"),
-    dict(sparsify="threshold", every=20), dict(sparsify=None),
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    dict(sparsify="topk"),
+    dict(sparsify="topk", topk_method="exact"),
+    dict(sparsify="threshold", every=20),
+    dict(sparsify=None),
     dict(sparsify=None, filter_decay=0.5, l2=1e-4, variance_reduction="global"),
-], ids=["topk_sampled", "topk_exact", "threshold", "dense", "dense_options"])
+  ],
+  ids=["topk_sampled", "topk_exact", "threshold", "dense", "dense_options"],
+)
 def test_trains_with_one_compilation(kwargs):
   x, y = _data()
   tx = grpo_optax.grpo(1e-2, **kwargs)
@@ -58,8 +70,14 @@ def test_trains_with_one_compilation(kwargs):
 
 
 def test_every_stage_can_be_switched_off():
-  tx = grpo_optax.grpo(0.1, max_norm=None, importance=False, sparsify=None,
-                       adaptive=False, variance_coef=None)
+  tx = grpo_optax.grpo(
+    0.1,
+    max_norm=None,
+    importance=False,
+    sparsify=None,
+    adaptive=False,
+    variance_coef=None,
+  )
   params = {"w": jnp.ones(3)}
   u, _ = tx.update({"w": jnp.array([1.0, 2.0, 3.0])}, tx.init(params), params)
   np.testing.assert_allclose(u["w"], [-0.1, -0.2, -0.3], rtol=1e-6)  # plain SGD
@@ -83,8 +101,13 @@ def test_schedule_and_inject_hyperparams():
 
 def _only(learning_rate, **stage_kwargs):
   """grpo() with every stage off except those that stage_kwargs turn on."""
-  kw = dict(max_norm=None, importance=False, sparsify=None, adaptive=False,
-            variance_coef=None)
+  kw = dict(
+    max_norm=None,
+    importance=False,
+    sparsify=None,
+    adaptive=False,
+    variance_coef=None,
+  )
   return grpo_optax.grpo(learning_rate, **{**kw, **stage_kwargs})
 
 
@@ -99,24 +122,33 @@ def test_extra_args_reach_the_importance_stage():
   g = jax.grad(_loss)(params, x, y)
   rng = np.random.default_rng(3)
   hd = jax.tree.map(
-      lambda p: jnp.asarray(np.abs(rng.normal(size=p.shape)) * 50, p.dtype),
-      params)
+    lambda p: jnp.asarray(np.abs(rng.normal(size=p.shape)) * 50, p.dtype),
+    params,
+  )
   ent = np.array([0.5, 1.0, 2.5, 4.0], np.float32)
-  head_entropy = {"hidden": {"kernel": None, "bias": None},
-                  "out": {"kernel": grpo_optax.per_head(ent, axis=1, ndim=2),
-                          "bias": None}}
+  head_entropy = {
+    "hidden": {"kernel": None, "bias": None},
+    "out": {"kernel": grpo_optax.per_head(ent, axis=1, ndim=2), "bias": None},
+  }
   tx = _only(0.5, importance=True)
-  u, _ = tx.update(g, tx.init(params), params, hessian_diag=hd,
-                   head_entropy=head_entropy)
+  u, _ = tx.update(
+    g, tx.init(params), params, hessian_diag=hd, head_entropy=head_entropy
+  )
   for path in (("hidden", "kernel"), ("hidden", "bias"), ("out", "kernel")):
-    gi, p, h = (np.asarray(t[path[0]][path[1]], np.float64)
-                for t in (g, params, hd))
-    s = np.abs(gi * p) + 0.5 * h * p ** 2
+    gi, p, h = (
+      np.asarray(t[path[0]][path[1]], np.float64) for t in (g, params, hd)
+    )
+    s = np.abs(gi * p) + 0.5 * h * p**2
     w = np.clip(s / (s.mean() + 1e-12), 0.1, 10.0)
     if path == ("out", "kernel"):
       w = w * ent / ent.mean()
-    np.testing.assert_allclose(u[path[0]][path[1]], -0.5 * gi * w, rtol=2e-5,
-                               atol=1e-9, err_msg=str(path))
+    np.testing.assert_allclose(
+      u[path[0]][path[1]],
+      -0.5 * gi * w,
+      rtol=2e-5,
+      atol=1e-9,
+      err_msg=str(path),
+    )
 
 
 def test_extra_arg_reaches_the_variance_stage():
@@ -126,18 +158,28 @@ def test_extra_arg_reaches_the_variance_stage():
   g = jax.grad(_loss)(params, x, y)
   rng = np.random.default_rng(4)
   gv = jax.tree.map(
-      lambda p: jnp.asarray(np.abs(rng.normal(size=p.shape)) * 3, p.dtype),
-      params)
+    lambda p: jnp.asarray(np.abs(rng.normal(size=p.shape)) * 3, p.dtype), params
+  )
   tx = _only(0.5, variance_coef=0.7, variance_reduction="element")
   u, _ = tx.update(g, tx.init(params), params, grad_variance=gv)
-  jax.tree.map(lambda ui, gi, vi: np.testing.assert_allclose(
-      ui, -0.5 * np.asarray(gi) / (1 + 0.7 * np.asarray(vi)), rtol=1e-6),
-               u, g, gv)
+  jax.tree.map(
+    lambda ui, gi, vi: np.testing.assert_allclose(
+      ui, -0.5 * np.asarray(gi) / (1 + 0.7 * np.asarray(vi)), rtol=1e-6
+    ),
+    u,
+    g,
+    gv,
+  )
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(sparsify="random"), "sparsify"), (dict(fraction=0.0), "fraction"),
-    (dict(alpha=2.0), "alpha"), (dict(b1=1.0), "b1"), (dict(max_norm=-1.0), "max_norm"),
+@pytest.mark.parametrize(
+  "kwargs,name",
+  [
+    (dict(sparsify="random"), "sparsify"),
+    (dict(fraction=0.0), "fraction"),
+    (dict(alpha=2.0), "alpha"),
+    (dict(b1=1.0), "b1"),
+    (dict(max_norm=-1.0), "max_norm"),
     (dict(variance_coef=-1.0), "variance_coef"),
     (dict(variance_reduction="x"), "variance_reduction"),
     (dict(importance_order=3), "importance_order"),
@@ -146,7 +188,8 @@ def test_extra_arg_reaches_the_variance_stage():
     (dict(freeze_threshold=-1.0), "freeze_threshold"),
     (dict(every=0, sparsify=None), "every"),
     (dict(variance_decay=1.0, variance_coef=None), "variance_decay"),
-])
+  ],
+)
 def test_bad_input(kwargs, name):
   with pytest.raises(ValueError, match=name):
     grpo_optax.grpo(1e-3, **kwargs)

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from grpo_optax import quantization as qz
 
@@ -24,8 +25,8 @@ def _np_encode(x, block, power, levels, signed):
   scale = np.abs(xb).max(-1)
   ks = np.arange(levels + 1)
   table = (ks / levels) ** power  # magnitudes of codes 0..Q
-  values = (np.concatenate([-table[:0:-1], table]) if signed else table)
-  codes = (np.arange(-levels, levels + 1) if signed else ks)
+  values = np.concatenate([-table[:0:-1], table]) if signed else table
+  codes = np.arange(-levels, levels + 1) if signed else ks
   u = xb / np.where(scale > 0, scale, 1)[..., None]
   if not signed:
     u = np.maximum(u, 0)
@@ -40,8 +41,9 @@ def _np_decode(q, scale, block, power, levels):
   q = q.reshape(shape or (1,))
   n = q.shape[-1]
   b = min(block, n)
-  s = np.repeat(np.asarray(scale, np.float64).reshape(q.shape[:-1] + (-1,)),
-                b, axis=-1)[..., :n]
+  s = np.repeat(
+    np.asarray(scale, np.float64).reshape(q.shape[:-1] + (-1,)), b, axis=-1
+  )[..., :n]
   return (np.sign(q) * (np.abs(q) / levels) ** power * s).reshape(shape)
 
 
@@ -53,8 +55,9 @@ def _moments(shape, seed=0):
 
 
 @pytest.mark.parametrize("name,signed", [("int8", True), ("uint8", False)])
-@pytest.mark.parametrize("shape,block", [((3, 700), 256), ((2, 3, 50), 256),
-                                         ((10,), 4)])
+@pytest.mark.parametrize(
+  "shape,block", [((3, 700), 256), ((2, 3, 50), 256), ((10,), 4)]
+)
 def test_matches_numpy_reference(name, signed, shape, block):
   fmt = qz.state_format(name, block_size=block)
   mu, nu = _moments(shape)
@@ -67,16 +70,21 @@ def test_matches_numpy_reference(name, signed, shape, block):
   assert np.mean(codes == q_ref) > 0.999
   dec = np.asarray(qz.decode(fmt, stored), np.float64)
   ref_err = np.abs(_np_decode(q_ref, s_ref, block, fmt.power, fmt.levels) - x)
-  scale_each = _np_decode(np.full(shape, fmt.levels), s_ref, block, 1,
-                          fmt.levels)
+  scale_each = _np_decode(
+    np.full(shape, fmt.levels), s_ref, block, 1, fmt.levels
+  )
   assert np.all(np.abs(dec - x) <= ref_err + 1e-6 * scale_each)
   np.testing.assert_allclose(
-      dec, _np_decode(codes, s_ref, block, fmt.power, fmt.levels),
-      rtol=1e-6, atol=1e-30)
+    dec,
+    _np_decode(codes, s_ref, block, fmt.power, fmt.levels),
+    rtol=1e-6,
+    atol=1e-30,
+  )
 
 
-@pytest.mark.parametrize("name,power", [("int8", 1), ("int8", 3),
-                                        ("uint8", 2), ("uint8", 4)])
+@pytest.mark.parametrize(
+  "name,power", [("int8", 1), ("int8", 3), ("uint8", 2), ("uint8", 4)]
+)
 def test_round_trip_error_bound(name, power):
   # Largest gap between levels: between the top two, s (1 - ((Q-1)/Q)^p).
   fmt = qz.state_format(name, power=power, block_size=128)
@@ -85,7 +93,9 @@ def test_round_trip_error_bound(name, power):
   dec = np.asarray(qz.decode(fmt, qz.encode(fmt, jnp.asarray(x))))
   q = fmt.levels
   _, scale = _np_encode(x, 128, power, q, name == "int8")
-  s = _np_decode(np.full(x.shape, q), scale, 128, 1, q)  # each entry's block max
+  s = _np_decode(
+    np.full(x.shape, q), scale, 128, 1, q
+  )  # each entry's block max
   bound = 0.5 * s * (1 - ((q - 1) / q) ** power) * (1 + 1e-5)
   assert np.all(np.abs(dec - x) <= bound)
   # The block maximum is stored exactly.
@@ -95,15 +105,26 @@ def test_round_trip_error_bound(name, power):
 def test_bfloat16_round_trip_and_float32_identity():
   x = jnp.asarray(_moments((5, 33))[0])
   assert qz.encode("float32", x).dtype == jnp.float32
-  np.testing.assert_array_equal(qz.decode("float32", qz.encode("float32", x)), x)
+  np.testing.assert_array_equal(
+    qz.decode("float32", qz.encode("float32", x)), x
+  )
   dec = qz.decode("bfloat16", qz.encode("bfloat16", x))
   assert dec.dtype == jnp.float32
-  np.testing.assert_array_less(np.abs(dec - x), 2.0 ** -8 * np.abs(x) + 1e-38)
+  np.testing.assert_array_less(np.abs(dec - x), 2.0**-8 * np.abs(x) + 1e-38)
 
 
-@pytest.mark.parametrize("shape,want", [
-    ((), ()), ((1,), (1,)), ((10,), (1,)), ((3, 256), (3, 1)),
-    ((3, 257), (3, 2)), ((2, 4, 1024), (2, 4, 4)), ((5, 0), (5, 0))])
+@pytest.mark.parametrize(
+  "shape,want",
+  [
+    ((), ()),
+    ((1,), (1,)),
+    ((10,), (1,)),
+    ((3, 256), (3, 1)),
+    ((3, 257), (3, 2)),
+    ((2, 4, 1024), (2, 4, 4)),
+    ((5, 0), (5, 0)),
+  ],
+)
 def test_shapes_and_dtypes(shape, want):
   fmt = qz.state_format("int8")
   x = jnp.linspace(-1, 2, math.prod(shape)).reshape(shape)
@@ -133,8 +154,10 @@ def test_bytes_per_entry():
   assert qz.bytes_per_entry("float32", (64, 64)) == 4
   assert qz.bytes_per_entry("bfloat16_sr", (64, 64)) == 2
   assert qz.bytes_per_entry("int8", (1024, 1024)) == 1 + 4 / 256
-  assert qz.bytes_per_entry(qz.state_format("uint8", block_size=2048),
-                            (4, 4096)) == 1 + 4 / 2048
+  assert (
+    qz.bytes_per_entry(qz.state_format("uint8", block_size=2048), (4, 4096))
+    == 1 + 4 / 2048
+  )
   assert qz.bytes_per_entry("int8", (10,)) == 1 + 4 / 10
 
 
@@ -148,29 +171,37 @@ def test_jit_does_not_recompile():
 
 
 def test_stochastic_rounding_is_unbiased():
-  spacing = 2.0 ** -7  # bf16 neighbours of 1: 1 and 1 + 2^-7
+  spacing = 2.0**-7  # bf16 neighbours of 1: 1 and 1 + 2^-7
   x = 1.0 + 0.3 * spacing
   n = 200_000
-  stored = qz.encode("bfloat16_sr", jnp.full((n,), x, jnp.float32),
-                     key=jax.random.key(0))
+  stored = qz.encode(
+    "bfloat16_sr", jnp.full((n,), x, jnp.float32), key=jax.random.key(0)
+  )
   vals = np.asarray(qz.decode("bfloat16_sr", stored), np.float64)
   assert set(np.unique(vals)) <= {1.0, 1.0 + spacing}
   sigma = spacing * math.sqrt(0.3 * 0.7 / n)
   assert abs(vals.mean() - x) < 4 * sigma  # nearest rounding: 290 sigma off
   assert float(qz.encode("bfloat16", jnp.float32(x))) == 1.0
   # Non-finite entries round to nearest; another key, other roundings.
-  inf = qz.encode("bfloat16_sr", jnp.array([jnp.inf, -jnp.inf]),
-                  key=jax.random.key(1))
+  inf = qz.encode(
+    "bfloat16_sr", jnp.array([jnp.inf, -jnp.inf]), key=jax.random.key(1)
+  )
   assert np.all(np.isinf(np.asarray(inf, np.float32)))
-  other = qz.encode("bfloat16_sr", jnp.full((n,), x, jnp.float32),
-                    key=jax.random.key(1))
+  other = qz.encode(
+    "bfloat16_sr", jnp.full((n,), x, jnp.float32), key=jax.random.key(1)
+  )
   assert not np.array_equal(np.asarray(other, np.float32), vals)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(name="int4"), "format"), (dict(name="int8", block_size=0), "block_size"),
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
+    (dict(name="int4"), "format"),
+    (dict(name="int8", block_size=0), "block_size"),
     (dict(name="uint8", power=9), "power"),
-    (dict(name="bfloat16", block_size=64), "8-bit formats only")])
+    (dict(name="bfloat16", block_size=64), "8-bit formats only"),
+  ],
+)
 def test_bad_input(kwargs, match):
   with pytest.raises(ValueError, match=match):
     qz.state_format(**kwargs)
@@ -188,14 +219,15 @@ def test_tree_forms_and_map_params():
   stored = qz.tree_init("int8", params)
   assert isinstance(stored, qz.Quantized)
   assert jax.tree.structure(stored.codes) == jax.tree.structure(params)
-  tree = {"w": jnp.linspace(-1, 1, 2048).reshape(4, 512), "b": jnp.arange(3.)}
+  tree = {"w": jnp.linspace(-1, 1, 2048).reshape(4, 512), "b": jnp.arange(3.0)}
   dec = qz.tree_decode("int8", qz.tree_encode("int8", tree))
   for a, b in zip(jax.tree.leaves(dec), jax.tree.leaves(tree)):
     np.testing.assert_allclose(a, b, atol=0.02)
   # map_params reaches codes and scales (both trees mirror the params).
   init = lambda p: qz.tree_init("uint8", p)
-  ranks = optax.tree.map_params(init, lambda x, spec: (x.ndim, spec), stored,
-                                {"w": "W", "b": "B"})
+  ranks = optax.tree.map_params(
+    init, lambda x, spec: (x.ndim, spec), stored, {"w": "W", "b": "B"}
+  )
   assert ranks.codes == {"w": (2, "W"), "b": (1, "B")}
   assert ranks.scale == {"w": (2, "W"), "b": (1, "B")}
 
@@ -211,11 +243,14 @@ def test_sharded_round_trip_keeps_sharding_without_collectives():
   assert stored.codes.sharding.is_equivalent_to(param, 2)
   assert stored.scale.sharding.is_equivalent_to(param, 2)
   assert stored.scale.shape == (8, 8)
-  text = enc.lower(x).compile().as_text() + jax.jit(
-      lambda s: qz.decode(fmt, s)).lower(stored).compile().as_text()
+  text = (
+    enc.lower(x).compile().as_text()
+    + jax.jit(lambda s: qz.decode(fmt, s)).lower(stored).compile().as_text()
+  )
   for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
     assert op not in text
   dec = jax.jit(lambda s: qz.decode(fmt, s))(stored)
   assert dec.sharding.is_equivalent_to(param, 2)
   np.testing.assert_array_equal(
-      dec, qz.decode(fmt, qz.encode(fmt, np.asarray(x))))
+    dec, qz.decode(fmt, qz.encode(fmt, np.asarray(x)))
+  )

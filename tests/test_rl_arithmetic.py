@@ -15,12 +15,33 @@ from examples.rl_arithmetic import models
 from examples.rl_arithmetic import train as ar_train
 
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:Sharding info not provided:UserWarning")
+  "ignore:Sharding info not provided:UserWarning"
+)
 
-_TINY = ["--num-digits", "2", "--hidden", "16", "--num-layers", "1",
-         "--num-heads", "2", "--ffn", "16", "--batch-size", "4",
-         "--group-size", "4", "--eval-problems", "8", "--warm-start-steps",
-         "2", "--warm-start-problems", "16", "--quiet", "--fast-compile"]
+_TINY = [
+  "--num-digits",
+  "2",
+  "--hidden",
+  "16",
+  "--num-layers",
+  "1",
+  "--num-heads",
+  "2",
+  "--ffn",
+  "16",
+  "--batch-size",
+  "4",
+  "--group-size",
+  "4",
+  "--eval-problems",
+  "8",
+  "--warm-start-steps",
+  "2",
+  "--warm-start-problems",
+  "16",
+  "--quiet",
+  "--fast-compile",
+]
 
 
 def _run(argv):
@@ -28,17 +49,21 @@ def _run(argv):
 
 
 def test_encoding_rewards_and_held_out_split():
-  prompts, answers = models.encode(np.array([1234, 9999]),
-                                   np.array([8765, 1]), 4)
+  prompts, answers = models.encode(
+    np.array([1234, 9999]), np.array([8765, 1]), 4
+  )
   # Columns (a_i, b_i), least significant first: 4+5, 3+6, 2+7, 1+8, "=".
   np.testing.assert_array_equal(
-      prompts[0], [12 + 45, 12 + 36, 12 + 27, 12 + 18, models.EQUALS])
+    prompts[0], [12 + 45, 12 + 36, 12 + 27, 12 + 18, models.EQUALS]
+  )
   np.testing.assert_array_equal(answers[0], [9, 9, 9, 9, 0, models.EOS])
   np.testing.assert_array_equal(answers[1], [0, 0, 0, 0, 1, models.EOS])
   assert prompts.shape == (2, models.prompt_length(4))
   assert answers.shape == (2, models.answer_length(4)) == (2, 6)
-  r = models.rewards(jnp.asarray(answers), jnp.asarray(
-      [[9, 9, 9, 9, 0, models.EOS], [0, 0, 0, 0, 1, 0]]))
+  r = models.rewards(
+    jnp.asarray(answers),
+    jnp.asarray([[9, 9, 9, 9, 0, models.EOS], [0, 0, 0, 0, 1, 0]]),
+  )
   np.testing.assert_array_equal(r, [1.0, 0.0])
   a, b = models.train_problems(np.random.default_rng(0), 20000, 2)
   assert np.all((a * 100 + b) % models.HELD_OUT_EVERY != 0)
@@ -48,8 +73,14 @@ def test_encoding_rewards_and_held_out_split():
 
 @pytest.mark.slow
 def test_two_steps_and_exact_resume(tmp_path):
-  argv = _TINY + ["--steps", "2", "--checkpoint-every", "1",
-                  "--eval-every", "1"]
+  argv = _TINY + [
+    "--steps",
+    "2",
+    "--checkpoint-every",
+    "1",
+    "--eval-every",
+    "1",
+  ]
   full = str(tmp_path / "full")
   want = _run(argv + ["--workdir", full])
   with open(os.path.join(full, "metrics.json")) as f:
@@ -67,20 +98,37 @@ def test_two_steps_and_exact_resume(tmp_path):
   mngr.close()
   got = _run(argv + ["--workdir", cut, "--resume"])
   assert got["resumed_from_step"] == 1
-  for key in ("train_loss_history", "train_history", "eval_history",
-              "mean_reward", "greedy_accuracy"):
+  for key in (
+    "train_loss_history",
+    "train_history",
+    "eval_history",
+    "mean_reward",
+    "greedy_accuracy",
+  ):
     assert got[key] == want[key], key
   restore = lambda d: ocp.PyTreeCheckpointer().restore(
-      os.path.join(d, "checkpoints", "2", "state"))
+    os.path.join(d, "checkpoints", "2", "state")
+  )
   jax.tree.map(np.testing.assert_array_equal, restore(cut), restore(full))
 
 
 @pytest.mark.slow
 def test_refill_truncation_and_shuffled_rewards(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  summary = _run(_TINY + ["--dynamic-sampling", "refill", "--top-k", "5",
-                          "--shuffle-rewards", "--loss", "grpo", "--steps",
-                          "1"])
+  summary = _run(
+    _TINY
+    + [
+      "--dynamic-sampling",
+      "refill",
+      "--top-k",
+      "5",
+      "--shuffle-rewards",
+      "--loss",
+      "grpo",
+      "--steps",
+      "1",
+    ]
+  )
   assert summary["shuffle_rewards"] and summary["dynamic_sampling"] == "refill"
   assert summary["truncation"]["top_k"] == 5
   assert summary["loss_config"]["beta"] == 0.04
@@ -88,13 +136,16 @@ def test_refill_truncation_and_shuffled_rewards(tmp_path, monkeypatch):
   assert not os.listdir(tmp_path)
 
 
-@pytest.mark.parametrize("argv, message", [
+@pytest.mark.parametrize(
+  "argv, message",
+  [
     (["--group-size", "1"], "--group-size"),
     (["--top-p", "0"], "top_p"),
     (["--warm-start-steps", "-1"], "--warm-start-steps"),
     (["--dynamic-sampling", "maybe"], "invalid choice"),
     (["--hidden", "30", "--num-heads", "4"], "divisible"),
-])
+  ],
+)
 def test_bad_flags(capsys, argv, message):
   with pytest.raises(SystemExit) as exit_info:
     ar_main.parse_args(argv)

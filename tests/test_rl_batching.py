@@ -20,7 +20,8 @@ B, T, V, F, G = 16, 6, 5, 4, 4
 def _batch(seed=0):
   """A linear softmax policy logits = x @ w and a batch of its completions,
   with off-policy old log-probs (ratios != 1, clips binding) and a
-  reference for the KL term."""
+  reference for the KL term.
+  """
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.normal(size=(B, T, F)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(F, V)), jnp.float32)
@@ -39,9 +40,15 @@ def _batch(seed=0):
 
 def _loss(w, batch, config, normalizer):
   logp = rl.token_log_probs(batch["x"] @ w, batch["tokens"])
-  loss, _ = rl.policy_loss(logp, batch["old"], batch["adv"], batch["mask"],
-                           config=config, ref_log_probs=batch["ref"],
-                           normalizer=normalizer)
+  loss, _ = rl.policy_loss(
+    logp,
+    batch["old"],
+    batch["adv"],
+    batch["mask"],
+    config=config,
+    ref_log_probs=batch["ref"],
+    normalizer=normalizer,
+  )
   return loss
 
 
@@ -51,9 +58,12 @@ def _config(preset):
 
 
 def _split(batch, num_parts):
-  return [jax.tree.map(lambda a, i=i: a[i * B // num_parts:(i + 1) * B //
-                                        num_parts], batch)
-          for i in range(num_parts)]
+  return [
+    jax.tree.map(
+      lambda a, i=i: a[i * B // num_parts : (i + 1) * B // num_parts], batch
+    )
+    for i in range(num_parts)
+  ]
 
 
 @pytest.mark.parametrize("preset", rl.PRESETS)
@@ -72,8 +82,9 @@ def test_microbatches_with_the_global_normalizer_sum_to_the_batch(preset):
   np.testing.assert_allclose(loss, whole, rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(grad, whole_grad, rtol=1e-6, atol=1e-7)
   # The microbatches' own counts do not give the batch's loss.
-  own = sum(float(grad_fn(w, part, config, None)[0]) / 4
-            for part in _split(batch, 4))
+  own = sum(
+    float(grad_fn(w, part, config, None)[0]) / 4 for part in _split(batch, 4)
+  )
   assert abs(own - float(whole)) > 1e-4
 
 
@@ -89,11 +100,19 @@ def test_data_parallel_step_on_8_devices_equals_the_batch(preset):
     loss, grad = jax.value_and_grad(_loss)(w, batch, config, norm)
     return jax.lax.psum((loss, grad), "data")
 
-  step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")),
-                               out_specs=P(), check_vma=False))
+  step = jax.jit(
+    jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(P(), P("data")),
+      out_specs=P(),
+      check_vma=False,
+    )
+  )
   loss, grad = step(w, batch)
   whole, whole_grad = jax.value_and_grad(_loss)(
-      w, batch, config, rl.loss_normalizer(batch["mask"]))
+    w, batch, config, rl.loss_normalizer(batch["mask"])
+  )
   np.testing.assert_allclose(loss, whole, rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(grad, whole_grad, rtol=1e-6, atol=1e-7)
 
@@ -106,22 +125,39 @@ def test_loss_normalizer_counts():
     rl.loss_normalizer(jnp.ones(3, bool))
   logp = jnp.zeros((3, 3))
   with pytest.raises(ValueError, match="not both"):
-    rl.policy_loss(logp, None, jnp.ones(3), mask, config="dapo",
-                   normalizer=norm, num_tokens=3.0)
+    rl.policy_loss(
+      logp,
+      None,
+      jnp.ones(3),
+      mask,
+      config="dapo",
+      normalizer=norm,
+      num_tokens=3.0,
+    )
 
 
 def test_drop_zero_signal_removes_the_groups_from_loss_and_counts():
   """Dropping the zero-signal groups equals a batch of the other groups."""
   batch, w = _batch(2)
-  rewards = np.asarray(jax.device_get(
-      jnp.stack([jnp.arange(G, dtype=jnp.float32), jnp.ones(G),
-                 jnp.arange(G, dtype=jnp.float32)[::-1], jnp.zeros(G)])))
+  rewards = np.asarray(
+    jax.device_get(
+      jnp.stack(
+        [
+          jnp.arange(G, dtype=jnp.float32),
+          jnp.ones(G),
+          jnp.arange(G, dtype=jnp.float32)[::-1],
+          jnp.zeros(G),
+        ]
+      )
+    )
+  )
   batch["adv"] = rl.group_advantages(rewards).reshape(-1)
   config = rl.Config.preset("dapo", beta=0.05)
   dropped = dict(batch, mask=rl.drop_zero_signal(batch["mask"], rewards))
   keep = np.repeat([True, False, True, False], G)
-  np.testing.assert_array_equal(np.asarray(dropped["mask"]),
-                                np.asarray(batch["mask"]) & keep[:, None])
+  np.testing.assert_array_equal(
+    np.asarray(dropped["mask"]), np.asarray(batch["mask"]) & keep[:, None]
+  )
   sub = jax.tree.map(lambda a: a[keep], batch)
   got = _loss(w, dropped, config, rl.loss_normalizer(dropped["mask"]))
   want = _loss(w, sub, config, None)
@@ -133,7 +169,7 @@ def test_drop_zero_signal_removes_the_groups_from_loss_and_counts():
 
 
 def test_select_groups_prefers_signal_and_has_static_shapes():
-  pool = jnp.array([[1., 1.], [0., 1.], [0., 0.], [1., 0.], [2., 2.]])
+  pool = jnp.array([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [2.0, 2.0]])
   idx, has_signal = jax.jit(rl.select_groups, static_argnums=1)(pool, 3)
   np.testing.assert_array_equal(idx, [1, 3, 0])
   np.testing.assert_array_equal(has_signal, [True, True, False])

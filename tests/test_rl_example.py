@@ -15,11 +15,27 @@ from examples.rl_sum_to_target import models
 from examples.rl_sum_to_target import train as rl_train
 
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:Sharding info not provided:UserWarning")
+  "ignore:Sharding info not provided:UserWarning"
+)
 
-_TINY = ["--hidden", "16", "--num-layers", "1", "--num-heads", "2", "--ffn",
-         "16", "--batch-size", "4", "--group-size", "4", "--eval-samples",
-         "2", "--quiet", "--fast-compile"]
+_TINY = [
+  "--hidden",
+  "16",
+  "--num-layers",
+  "1",
+  "--num-heads",
+  "2",
+  "--ffn",
+  "16",
+  "--batch-size",
+  "4",
+  "--group-size",
+  "4",
+  "--eval-samples",
+  "2",
+  "--quiet",
+  "--fast-compile",
+]
 
 
 def _run(argv):
@@ -28,36 +44,53 @@ def _run(argv):
 
 def _final_state(workdir, step):
   return ocp.PyTreeCheckpointer().restore(
-      os.path.join(workdir, "checkpoints", str(step), "state"))
+    os.path.join(workdir, "checkpoints", str(step), "state")
+  )
 
 
 def test_task_rewards_and_chance():
-  digits = np.stack(np.meshgrid(*[np.arange(10)] * 3, indexing="ij"),
-                    -1).reshape(-1, 3)
+  digits = np.stack(
+    np.meshgrid(*[np.arange(10)] * 3, indexing="ij"), -1
+  ).reshape(-1, 3)
   counts = [int(np.sum(digits.sum(1) == s)) for s in range(28)]
   assert counts[0] == counts[27] == 1 and max(counts) == 75
   assert models.chance_reward() == pytest.approx(np.mean(counts) / 1000)
   assert models.chance_reward() == pytest.approx(1 / 28)
-  r = models.rewards(jnp.array([5, 5, 27]), jnp.array([[1, 2, 2], [1, 2, 3],
-                                                       [9, 9, 9]]))
+  r = models.rewards(
+    jnp.array([5, 5, 27]), jnp.array([[1, 2, 2], [1, 2, 3], [9, 9, 9]])
+  )
   np.testing.assert_array_equal(r, [1.0, 0.0, 1.0])
-  np.testing.assert_array_equal(models.prompt_tokens(jnp.array([0, 27])),
-                                [[10], [37]])
+  np.testing.assert_array_equal(
+    models.prompt_tokens(jnp.array([0, 27])), [[10], [37]]
+  )
 
 
 @pytest.mark.slow
 def test_two_steps_and_exact_resume(tmp_path):
   """The defaults (grpo loss preset: a frozen reference, beta > 0; Adam):
   cut back to step 1 and resumed, the run equals the uninterrupted one bit
-  for bit (samples, rewards, curves, parameters, optimizer state)."""
-  argv = _TINY + ["--steps", "2", "--checkpoint-every", "1",
-                  "--eval-every", "1"]
+  for bit (samples, rewards, curves, parameters, optimizer state).
+  """
+  argv = _TINY + [
+    "--steps",
+    "2",
+    "--checkpoint-every",
+    "1",
+    "--eval-every",
+    "1",
+  ]
   full = str(tmp_path / "full")
   want = _run(argv + ["--workdir", full])
   with open(os.path.join(full, "metrics.json")) as f:
     written = json.load(f)
-  for key in ("mean_reward", "greedy_solved", "chance_reward",
-              "train_history", "eval_history", "wall_time_s"):
+  for key in (
+    "mean_reward",
+    "greedy_solved",
+    "chance_reward",
+    "train_history",
+    "eval_history",
+    "wall_time_s",
+  ):
     assert key in written, key
   assert written["loss_config"]["beta"] == 0.04
   assert written["optimizer"] == "adam" and written["batch_size"] == 4
@@ -66,8 +99,10 @@ def test_two_steps_and_exact_resume(tmp_path):
   assert [row[0] for row in written["eval_history"]] == [0, 1, 2]
   assert [row[0] for row in written["train_history"]] == [1, 2]
   assert os.path.getsize(os.path.join(full, "curves.png")) > 0
-  assert any(name.startswith("events.out.tfevents")
-             for name in os.listdir(os.path.join(full, "tensorboard")))
+  assert any(
+    name.startswith("events.out.tfevents")
+    for name in os.listdir(os.path.join(full, "tensorboard"))
+  )
 
   cut = str(tmp_path / "cut")
   shutil.copytree(full, cut)
@@ -78,8 +113,13 @@ def test_two_steps_and_exact_resume(tmp_path):
     _run(argv + ["--workdir", cut])
   got = _run(argv + ["--workdir", cut, "--resume"])
   assert got["resumed_from_step"] == 1
-  for key in ("train_loss_history", "train_history", "eval_history",
-              "mean_reward", "greedy_solved"):
+  for key in (
+    "train_loss_history",
+    "train_history",
+    "eval_history",
+    "mean_reward",
+    "greedy_solved",
+  ):
     assert got[key] == want[key], key
   want_state, got_state = _final_state(full, 2), _final_state(cut, 2)
   assert jax.tree.structure(want_state) == jax.tree.structure(got_state)
@@ -87,14 +127,27 @@ def test_two_steps_and_exact_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_other_loss_optimizer_inner_steps_and_shuffled_rewards(tmp_path,
-                                                              monkeypatch):
-  """dapo loss, SGD, two optimizer steps per batch, shuffled rewards; no
-  --workdir: nothing is written."""
+def test_other_loss_optimizer_inner_steps_and_shuffled_rewards(
+  tmp_path, monkeypatch
+):
+  """Dapo loss, SGD, two optimizer steps per batch, shuffled rewards; no
+  --workdir: nothing is written.
+  """
   monkeypatch.chdir(tmp_path)
-  summary = _run(_TINY + ["--loss", "dapo", "--optimizer", "sgd",
-                          "--inner-steps", "2", "--shuffle-rewards",
-                          "--steps", "1"])
+  summary = _run(
+    _TINY
+    + [
+      "--loss",
+      "dapo",
+      "--optimizer",
+      "sgd",
+      "--inner-steps",
+      "2",
+      "--shuffle-rewards",
+      "--steps",
+      "1",
+    ]
+  )
   assert summary["shuffle_rewards"] and summary["optimizer"] == "sgd"
   assert summary["loss_config"]["aggregation"] == "token-mean"
   assert summary["loss_config"]["beta"] == 0.0
@@ -103,14 +156,17 @@ def test_other_loss_optimizer_inner_steps_and_shuffled_rewards(tmp_path,
   assert not os.listdir(tmp_path)
 
 
-@pytest.mark.parametrize("argv, message", [
+@pytest.mark.parametrize(
+  "argv, message",
+  [
     (["--group-size", "1"], "--group-size"),
     (["--loss", "ppo"], "invalid choice"),
     (["--temperature", "0"], "--temperature"),
     (["--beta", "-1"], "--beta"),
     (["--hidden", "30", "--num-heads", "4"], "divisible"),
     (["--inner-steps", "0"], "--inner-steps"),
-])
+  ],
+)
 def test_bad_flags(capsys, argv, message):
   with pytest.raises(SystemExit) as exit_info:
     rl_main.parse_args(argv)

@@ -82,8 +82,11 @@ def _ref_policy_loss(logp, old, adv, mask, config, ref=None, entropy=None):
     if config.ratio_level == "sequence" and valid:
       seq = math.exp(sum(logp[i, t] - old[i, t] for t in valid) / len(valid))
     for t in valid:
-      r = (seq if config.ratio_level == "sequence"
-           else math.exp(logp[i, t] - old[i, t]))
+      r = (
+        seq
+        if config.ratio_level == "sequence"
+        else math.exp(logp[i, t] - old[i, t])
+      )
       a = adv[i, t]
       loss = max(-a * r, -a * min(max(r, lo), hi))
       if config.dual_clip is not None and a < 0:
@@ -95,17 +98,16 @@ def _ref_policy_loss(logp, old, adv, mask, config, ref=None, entropy=None):
         kl[i, t] = _ref_kl(logp[i, t], ref[i, t], config.kl_estimator)
       per_token[i, t] = loss
       ratios[i, t] = r
-  agg = lambda x: _ref_aggregate(x, mask, config.aggregation,
-                                 config.max_length)
+  agg = lambda x: _ref_aggregate(x, mask, config.aggregation, config.max_length)
   n = mask.sum()
   metrics = {
-      "policy_loss": agg(per_token),
-      "clip_fraction_low": counts["low"] / n,
-      "clip_fraction_high": counts["high"] / n,
-      "ratio_mean": ratios[mask].mean(),
-      "ratio_max": ratios[mask].max(),
-      "ratio_min": ratios[mask].min(),
-      "num_tokens": n,
+    "policy_loss": agg(per_token),
+    "clip_fraction_low": counts["low"] / n,
+    "clip_fraction_high": counts["high"] / n,
+    "ratio_mean": ratios[mask].mean(),
+    "ratio_max": ratios[mask].max(),
+    "ratio_min": ratios[mask].min(),
+    "num_tokens": n,
   }
   loss = metrics["policy_loss"]
   if config.dual_clip is not None:
@@ -136,8 +138,9 @@ def test_token_log_probs_and_entropy(temperature):
       h = -sum(math.exp(lp) * lp for lp in log_p)
       assert ent[b, t] == pytest.approx(h, abs=2e-6)
   # bf16 logits are scored in float32.
-  low = rl.token_log_probs(jnp.asarray(logits, jnp.bfloat16), tokens,
-                           temperature)
+  low = rl.token_log_probs(
+    jnp.asarray(logits, jnp.bfloat16), tokens, temperature
+  )
   assert low.dtype == jnp.float32
 
 
@@ -159,8 +162,9 @@ def test_kl_penalty_formulas():
   ref = np.log(rng.uniform(0.01, 1, size=(4, 3))).astype(np.float32)
   for estimator in rl.KL_ESTIMATORS:
     got = rl.kl_penalty(logp, ref, estimator)
-    want = np.vectorize(lambda a, b: _ref_kl(float(a), float(b), estimator))(
-        logp, ref)
+    want = np.vectorize(
+      lambda a, b, estimator=estimator: _ref_kl(float(a), float(b), estimator)
+    )(logp, ref)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   assert np.all(np.asarray(rl.kl_penalty(logp, ref, "k3")) >= 0)
 
@@ -180,8 +184,9 @@ def test_kl_estimators_by_exact_enumeration():
   def expected(theta, estimator):
     logp = jax.nn.log_softmax(theta)
     weights = jax.lax.stop_gradient(jnp.exp(logp))  # Sampling distribution.
-    return jnp.sum(weights * rl.kl_penalty(logp[actions], ref_logp[actions],
-                                           estimator))
+    return jnp.sum(
+      weights * rl.kl_penalty(logp[actions], ref_logp[actions], estimator)
+    )
 
   def reverse_kl(theta):
     logp = jax.nn.log_softmax(theta)
@@ -197,12 +202,16 @@ def test_kl_estimators_by_exact_enumeration():
   assert abs(float(expected(theta, "k2")) - float(kl)) > 1e-2  # biased
   grad = lambda estimator: jax.grad(expected)(theta, estimator)
   np.testing.assert_allclose(grad("k1"), 0.0, atol=1e-6)
-  np.testing.assert_allclose(grad("k2"), jax.grad(reverse_kl)(theta),
-                             rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(grad("k3"), jax.grad(forward_kl)(theta),
-                             rtol=1e-5, atol=1e-6)
-  assert np.max(np.abs(jax.grad(forward_kl)(theta)
-                       - jax.grad(reverse_kl)(theta))) > 1e-2
+  np.testing.assert_allclose(
+    grad("k2"), jax.grad(reverse_kl)(theta), rtol=1e-5, atol=1e-6
+  )
+  np.testing.assert_allclose(
+    grad("k3"), jax.grad(forward_kl)(theta), rtol=1e-5, atol=1e-6
+  )
+  assert (
+    np.max(np.abs(jax.grad(forward_kl)(theta) - jax.grad(reverse_kl)(theta)))
+    > 1e-2
+  )
 
 
 @pytest.mark.parametrize("mode", rl.AGGREGATIONS)
@@ -219,16 +228,17 @@ def test_aggregate_matches_loops(mode):
 
 
 _CONFIGS = {
-    "grpo": rl.Config.preset("grpo"),
-    "dapo": rl.Config.preset("dapo"),
-    "dr_grpo": rl.Config.preset("dr_grpo"),
-    "gspo": rl.Config.preset("gspo"),
-    "gspo_wide_k2": rl.Config.preset("gspo", clip_eps_low=0.1,
-                                     clip_eps_high=0.1, beta=0.1,
-                                     kl_estimator="k2"),
-    "dual_k1_seqsum": rl.Config(dual_clip=1.2, kl_estimator="k1",
-                                aggregation="seq-mean-token-sum"),
-    "dr_grpo_budget": rl.Config.preset("dr_grpo", max_length=9),
+  "grpo": rl.Config.preset("grpo"),
+  "dapo": rl.Config.preset("dapo"),
+  "dr_grpo": rl.Config.preset("dr_grpo"),
+  "gspo": rl.Config.preset("gspo"),
+  "gspo_wide_k2": rl.Config.preset(
+    "gspo", clip_eps_low=0.1, clip_eps_high=0.1, beta=0.1, kl_estimator="k2"
+  ),
+  "dual_k1_seqsum": rl.Config(
+    dual_clip=1.2, kl_estimator="k1", aggregation="seq-mean-token-sum"
+  ),
+  "dr_grpo_budget": rl.Config.preset("dr_grpo", max_length=9),
 }
 
 
@@ -241,10 +251,17 @@ def test_policy_loss_matches_loop_reference(name, token_advantages):
     adv = (adv[:, None] + np.linspace(-1, 1, T)[None]).astype(np.float32)
   use_ref = config.beta > 0
   loss, metrics = rl.policy_loss(
-      logp, old, adv, mask, config=config,
-      ref_log_probs=ref if use_ref else None, entropy=entropy)
-  want_loss, want = _ref_policy_loss(logp, old, adv, mask, config,
-                                     ref if use_ref else None, entropy)
+    logp,
+    old,
+    adv,
+    mask,
+    config=config,
+    ref_log_probs=ref if use_ref else None,
+    entropy=entropy,
+  )
+  want_loss, want = _ref_policy_loss(
+    logp, old, adv, mask, config, ref if use_ref else None, entropy
+  )
   assert float(loss) == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
   for key, value in want.items():
     assert float(metrics[key]) == pytest.approx(value, rel=1e-5, abs=1e-6), key
@@ -258,8 +275,7 @@ def test_policy_loss_matches_loop_reference(name, token_advantages):
 
 def test_metrics_statistics_and_zero_signal_fraction():
   logp, old, _, adv, mask, _ = _inputs()
-  _, m = rl.policy_loss(logp, old, adv, mask, config="dapo",
-                        group_size=GROUP)
+  _, m = rl.policy_loss(logp, old, adv, mask, config="dapo", group_size=GROUP)
   assert float(m["zero_signal_fraction"]) == 0.5
   assert float(m["advantage_mean"]) == pytest.approx(adv.mean(), abs=1e-6)
   assert float(m["advantage_std"]) == pytest.approx(adv.std(), abs=1e-6)
@@ -279,8 +295,12 @@ def test_on_policy_ratio_is_one_and_gradient_is_reinforce(preset):
   _, _, _, _, mask, _ = _inputs()
   theta = jnp.asarray(rng.normal(size=(B, T, V)), jnp.float32)
   tokens = rng.integers(0, V, size=(B, T))
-  config = rl.Config.preset(preset, beta=0.0, advantage_estimator="none",
-                            aggregation="seq-mean-token-sum")
+  config = rl.Config.preset(
+    preset,
+    beta=0.0,
+    advantage_estimator="none",
+    aggregation="seq-mean-token-sum",
+  )
   adv = rl.group_advantages(rewards, estimator="none").reshape(-1)
 
   def loss_fn(theta, old):
@@ -298,10 +318,12 @@ def test_on_policy_ratio_is_one_and_gradient_is_reinforce(preset):
     (loss, m), grad = jax.value_and_grad(loss_fn, has_aux=True)(theta, old_arg)
     assert float(m["ratio_min"]) == float(m["ratio_max"]) == 1.0
     assert float(m["clip_fraction_low"]) == float(m["clip_fraction_high"]) == 0
-    np.testing.assert_allclose(grad, jax.grad(reinforce)(theta), rtol=1e-5,
-                               atol=1e-7)
+    np.testing.assert_allclose(
+      grad, jax.grad(reinforce)(theta), rtol=1e-5, atol=1e-7
+    )
     assert float(loss) == pytest.approx(
-        -float(jnp.sum(adv[:, None] * mask)) / B, abs=1e-6)
+      -float(jnp.sum(adv[:, None] * mask)) / B, abs=1e-6
+    )
 
 
 def test_gspo_token_form_has_the_sequence_objective_gradient():
@@ -313,17 +335,21 @@ def test_gspo_token_form_has_the_sequence_objective_gradient():
     s = jnp.exp(jnp.sum(jnp.where(mask, logp - old, 0), axis=1) / lengths)
     return -jnp.mean(adv * s)
 
-  grad = jax.grad(lambda x: rl.policy_loss(x, old, adv, mask,
-                                           config=config)[0])(logp)
-  np.testing.assert_allclose(grad, jax.grad(sequence_objective)(logp),
-                             rtol=1e-5, atol=1e-7)
+  grad = jax.grad(
+    lambda x: rl.policy_loss(x, old, adv, mask, config=config)[0]
+  )(logp)
+  np.testing.assert_allclose(
+    grad, jax.grad(sequence_objective)(logp), rtol=1e-5, atol=1e-7
+  )
   # With the paper's narrow range, a clipped sequence has no gradient.
   narrow = rl.Config.preset("gspo")
-  grad = jax.grad(lambda x: rl.policy_loss(x, old, adv, mask,
-                                           config=narrow)[0])(logp)
+  grad = jax.grad(
+    lambda x: rl.policy_loss(x, old, adv, mask, config=narrow)[0]
+  )(logp)
   s = np.exp(np.sum(np.where(mask, logp - old, 0), axis=1) / mask.sum(1))
   clipped = ((s > 1 + narrow.clip_eps_high) & (adv > 0)) | (
-      (s < 1 - narrow.clip_eps_low) & (adv < 0))
+    (s < 1 - narrow.clip_eps_low) & (adv < 0)
+  )
   assert clipped.any()
   np.testing.assert_array_equal(np.asarray(grad)[clipped], 0.0)
 
@@ -336,17 +362,24 @@ def test_padding_and_masked_values_do_not_change_the_loss(name):
   logp, old, ref, adv, mask, _ = _inputs()
 
   def loss(logp, old, ref, adv, mask):
-    return rl.policy_loss(logp, old, adv, mask, config=config,
-                          ref_log_probs=ref)[0]
+    return rl.policy_loss(
+      logp, old, adv, mask, config=config, ref_log_probs=ref
+    )[0]
 
   value, grad = jax.value_and_grad(loss)(logp, old, ref, adv, mask)
   # Garbage (NaN, huge) under the mask, two more padding columns and an
   # empty row.
-  pad = lambda x, fill: np.pad(np.where(mask, x, fill), ((0, 1), (0, 2)),
-                               constant_values=fill)
+  pad = lambda x, fill: np.pad(
+    np.where(mask, x, fill), ((0, 1), (0, 2)), constant_values=fill
+  )
   big_mask = np.pad(mask, ((0, 1), (0, 2)))
-  args = (pad(logp, np.nan), pad(old, 1e4), pad(ref, -np.inf),
-          np.pad(adv, (0, 1), constant_values=7.0), big_mask)
+  args = (
+    pad(logp, np.nan),
+    pad(old, 1e4),
+    pad(ref, -np.inf),
+    np.pad(adv, (0, 1), constant_values=7.0),
+    big_mask,
+  )
   value2, grad2 = jax.value_and_grad(loss)(*args)
   assert float(value2) == pytest.approx(float(value), rel=1e-6)
   grad2 = np.asarray(grad2)
@@ -360,17 +393,20 @@ def test_microbatches_add_up(mode):
   config = rl.Config(beta=0.0, aggregation=mode)
 
   def loss(logp, rows, **kwargs):
-    return rl.policy_loss(logp, old[rows], adv[rows], mask[rows],
-                          config=config, **kwargs)[0]
+    return rl.policy_loss(
+      logp, old[rows], adv[rows], mask[rows], config=config, **kwargs
+    )[0]
 
   full, full_grad = jax.value_and_grad(loss)(logp, slice(None))
   totals = {"num_tokens": mask.sum(), "num_sequences": B}
-  parts = [jax.value_and_grad(loss)(logp[rows], rows, **totals)
-           for rows in (slice(0, 2), slice(2, 6))]
-  assert float(sum(p[0] for p in parts)) == pytest.approx(float(full),
-                                                          rel=1e-6)
-  np.testing.assert_allclose(np.concatenate([p[1] for p in parts]),
-                             full_grad, rtol=1e-6, atol=1e-9)
+  parts = [
+    jax.value_and_grad(loss)(logp[rows], rows, **totals)
+    for rows in (slice(0, 2), slice(2, 6))
+  ]
+  assert float(sum(p[0] for p in parts)) == pytest.approx(float(full), rel=1e-6)
+  np.testing.assert_allclose(
+    np.concatenate([p[1] for p in parts]), full_grad, rtol=1e-6, atol=1e-9
+  )
   if mode == "token-mean":  # Without the totals, each part is its own mean.
     alone = sum(float(loss(logp[r], r)) for r in (slice(0, 2), slice(2, 6)))
     assert alone != pytest.approx(float(full), rel=1e-3)
@@ -383,16 +419,16 @@ def test_config_validation():
   assert rl.Config() == rl.Config.preset("grpo")
   assert hash(rl.Config.preset("dapo")) == hash(rl.Config.preset("dapo"))
   for kwargs, match in [
-      ({"clip_eps_low": 1.5}, "clip_eps_low"),
-      ({"clip_eps_high": -0.1}, "clip_eps_high"),
-      ({"dual_clip": 1.0}, "dual_clip"),
-      ({"beta": -1.0}, "beta"),
-      ({"temperature": 0.0}, "temperature"),
-      ({"aggregation": "mean"}, "aggregation"),
-      ({"kl_estimator": "k4"}, "kl_estimator"),
-      ({"ratio_level": "group"}, "ratio_level"),
-      ({"advantage_estimator": "ppo"}, "advantage_estimator"),
-      ({"max_length": 0}, "max_length"),
+    ({"clip_eps_low": 1.5}, "clip_eps_low"),
+    ({"clip_eps_high": -0.1}, "clip_eps_high"),
+    ({"dual_clip": 1.0}, "dual_clip"),
+    ({"beta": -1.0}, "beta"),
+    ({"temperature": 0.0}, "temperature"),
+    ({"aggregation": "mean"}, "aggregation"),
+    ({"kl_estimator": "k4"}, "kl_estimator"),
+    ({"ratio_level": "group"}, "ratio_level"),
+    ({"advantage_estimator": "ppo"}, "advantage_estimator"),
+    ({"max_length": 0}, "max_length"),
   ]:
     with pytest.raises(ValueError, match=match):
       rl.Config(**kwargs)
@@ -407,8 +443,12 @@ def test_config_validation():
 def test_policy_loss_bad_input():
   logp, old, ref, adv, mask, _ = _inputs()
   call = lambda **kw: rl.policy_loss(
-      kw.pop("logp", logp), kw.pop("old", old), kw.pop("adv", adv),
-      kw.pop("mask", mask), **{"config": "dapo", **kw})
+    kw.pop("logp", logp),
+    kw.pop("old", old),
+    kw.pop("adv", adv),
+    kw.pop("mask", mask),
+    **{"config": "dapo", **kw},
+  )
   with pytest.raises(ValueError, match="ref_log_probs"):
     call(config="grpo")  # beta = 0.04 needs a reference
   with pytest.raises(ValueError, match="advantages"):
@@ -442,53 +482,81 @@ def test_policy_loss_bad_input():
 # ------------------------------------------ clipping at ties, huge ratios
 
 
-@pytest.mark.parametrize("eps_low, eps_high", [(0.0, 0.2), (0.2, 0.0),
-                                               (0.0, 0.0)])
+@pytest.mark.parametrize(
+  "eps_low, eps_high", [(0.0, 0.2), (0.2, 0.0), (0.0, 0.0)]
+)
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
-def test_zero_clip_range_keeps_the_reinforce_gradient(eps_low, eps_high,
-                                                      dual_clip):
+def test_zero_clip_range_keeps_the_reinforce_gradient(
+  eps_low, eps_high, dual_clip
+):
   """On-policy the ratio is exactly 1, at the bound when eps = 0: the
   gradient is the unclipped one, -A grad(logp) under the aggregation's
-  weights (jnp.clip/jnp.maximum used to give 0.75x or 0.625x of it)."""
+  weights (jnp.clip/jnp.maximum used to give 0.75x or 0.625x of it).
+  """
   logp, _, _, adv, mask, _ = _inputs(4)
   adv = np.where(np.arange(B) % 2, -1.0, 1.0).astype(np.float32) * (
-      1 + np.arange(B, dtype=np.float32))
-  config = rl.Config(beta=0.0, clip_eps_low=eps_low, clip_eps_high=eps_high,
-                     dual_clip=dual_clip, aggregation="token-mean")
-  grad = jax.grad(lambda l: rl.policy_loss(l, None, adv, mask,
-                                           config=config)[0])(logp)
-  want = jax.grad(lambda l: rl.aggregate(-adv[:, None] * l, mask,
-                                         "token-mean"))(logp)
+    1 + np.arange(B, dtype=np.float32)
+  )
+  config = rl.Config(
+    beta=0.0,
+    clip_eps_low=eps_low,
+    clip_eps_high=eps_high,
+    dual_clip=dual_clip,
+    aggregation="token-mean",
+  )
+  grad = jax.grad(
+    lambda l: rl.policy_loss(l, None, adv, mask, config=config)[0]
+  )(logp)
+  want = jax.grad(
+    lambda l: rl.aggregate(-adv[:, None] * l, mask, "token-mean")
+  )(logp)
   np.testing.assert_array_equal(grad, want)
   assert np.all(np.asarray(grad)[mask] != 0)
 
 
 @pytest.mark.parametrize("advantage", [1.0, -1.0, 0.0])
 @pytest.mark.parametrize("ratio_level", ["token", "sequence"])
-def test_huge_log_ratio_gives_a_finite_gradient_in_float32(advantage,
-                                                           ratio_level):
+def test_huge_log_ratio_gives_a_finite_gradient_in_float32(
+  advantage, ratio_level
+):
   """Log-ratio 200 (exp overflows float32): where the clip (A > 0), the dual
   clip (A < 0) or A = 0 makes the loss flat, the gradient is exactly 0 and
-  finite, and the loss is the clipped constant."""
+  finite, and the loss is the clipped constant.
+  """
   log_old = jnp.full((2, 3), -201.0, jnp.float32)
   logp = jnp.full((2, 3), -1.0, jnp.float32)
   adv = jnp.full((2,), advantage, jnp.float32)
   mask = jnp.ones((2, 3), bool)
-  config = rl.Config(beta=0.0, dual_clip=3.0, ratio_level=ratio_level,
-                     aggregation="token-mean")
+  config = rl.Config(
+    beta=0.0, dual_clip=3.0, ratio_level=ratio_level, aggregation="token-mean"
+  )
   loss_fn = lambda l: rl.policy_loss(l, log_old, adv, mask, config=config)[0]
   loss, grad = jax.value_and_grad(loss_fn)(logp)
   assert np.all(np.isfinite(grad)) and np.all(np.asarray(grad) == 0)
   want = {1.0: -1.2, -1.0: 3.0, 0.0: 0.0}[advantage]
   assert float(loss) == pytest.approx(want)
   # The values of the surrogate on both sides of each bound, for reference.
-  config = rl.Config(beta=0.0, clip_eps_low=0.2, clip_eps_high=0.2,
-                     dual_clip=3.0, aggregation="token-mean")
-  for r, a, want in [(1.3, 1.0, -1.2), (1.1, 1.0, -1.1), (0.7, 1.0, -0.7),
-                     (0.7, -1.0, 0.8), (0.9, -1.0, 0.9), (2.0, -1.0, 2.0),
-                     (4.0, -1.0, 3.0)]:
-    got, _ = rl.policy_loss(jnp.full((1, 1), math.log(r), jnp.float32),
-                            jnp.zeros((1, 1), jnp.float32),
-                            jnp.array([a], jnp.float32),
-                            jnp.ones((1, 1), bool), config=config)
+  config = rl.Config(
+    beta=0.0,
+    clip_eps_low=0.2,
+    clip_eps_high=0.2,
+    dual_clip=3.0,
+    aggregation="token-mean",
+  )
+  for r, a, want in [
+    (1.3, 1.0, -1.2),
+    (1.1, 1.0, -1.1),
+    (0.7, 1.0, -0.7),
+    (0.7, -1.0, 0.8),
+    (0.9, -1.0, 0.9),
+    (2.0, -1.0, 2.0),
+    (4.0, -1.0, 3.0),
+  ]:
+    got, _ = rl.policy_loss(
+      jnp.full((1, 1), math.log(r), jnp.float32),
+      jnp.zeros((1, 1), jnp.float32),
+      jnp.array([a], jnp.float32),
+      jnp.ones((1, 1), bool),
+      config=config,
+    )
     assert float(got) == pytest.approx(want, rel=1e-6), (r, a)

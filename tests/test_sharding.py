@@ -34,39 +34,39 @@ from grpo_optax import training
 
 # Distinct shapes, so that a state leaf is matched to its parameter by shape.
 LAYOUT = {
-    "rows": ((128, 32), P("data", None)),
-    "cols": ((32, 128), P(None, "model")),
-    "tp": ((64, 64), P("data", "model")),
-    "stacked": ((3, 16, 64), P(None, None, "model")),
-    "bias": ((512,), P()),
-    "scale": ((), P()),
+  "rows": ((128, 32), P("data", None)),
+  "cols": ((32, 128), P(None, "model")),
+  "tp": ((64, 64), P("data", "model")),
+  "stacked": ((3, 16, 64), P(None, None, "model")),
+  "bias": ((512,), P()),
+  "scale": ((), P()),
 }
 MODES = {
-    "adam": None,  # the positive control: optax.adam(lr)
-    "dense": dict(sparsify=None),
-    "topk": {},
-    "threshold": dict(sparsify="threshold"),
-    "article": dict(grpo_optax.ARTICLE_DEFAULTS),
-    "freeze": dict(freeze_threshold=0.3, freeze_warmup_steps=2),
+  "adam": None,  # the positive control: optax.adam(lr)
+  "dense": dict(sparsify=None),
+  "topk": {},
+  "threshold": dict(sparsify="threshold"),
+  "article": dict(grpo_optax.ARTICLE_DEFAULTS),
+  "freeze": dict(freeze_threshold=0.3, freeze_warmup_steps=2),
 }
 MASKED = ("topk", "threshold", "article", "freeze")
 # Dense variants of the masked modes (comparable to float tolerance), and the
 # masks alone (lr 1, no clip, no Adam: the update is minus the kept part).
 VARIANTS = dict(
-    MODES,
-    article_dense=dict(grpo_optax.ARTICLE_DEFAULTS, sparsify=None),
-    freeze_dense=dict(sparsify=None, freeze_threshold=0.3,
-                      freeze_warmup_steps=2),
-    mask_topk=dict(sparsify="topk", adaptive=False, max_norm=None),
-    mask_threshold=dict(sparsify="threshold", adaptive=False, max_norm=None),
+  MODES,
+  article_dense=dict(grpo_optax.ARTICLE_DEFAULTS, sparsify=None),
+  freeze_dense=dict(sparsify=None, freeze_threshold=0.3, freeze_warmup_steps=2),
+  mask_topk=dict(sparsify="topk", adaptive=False, max_norm=None),
+  mask_threshold=dict(sparsify="threshold", adaptive=False, max_norm=None),
 )
 AXIS_TYPES = list(bench.AXIS_TYPES)
 # (axis type, inside jax.set_mesh): every mode runs on the first two, the
 # dense and the default mode on all four.
 MAIN_CONTEXTS = [("auto", False), ("explicit", True)]
 OTHER_CONTEXTS = [("auto", True), ("explicit", False)]
-GRID = ([(m, c) for m in MODES for c in MAIN_CONTEXTS]
-        + [(m, c) for m in ("adam", "dense", "topk") for c in OTHER_CONTEXTS])
+GRID = [(m, c) for m in MODES for c in MAIN_CONTEXTS] + [
+  (m, c) for m in ("adam", "dense", "topk") for c in OTHER_CONTEXTS
+]
 STEPS = 3
 
 
@@ -75,11 +75,14 @@ def _ctx_id(ctx):
 
 
 def _tiered(cases, fast, ids=None):
-  """pytest params: those whose id is in ``fast`` run in the fast tier, the
-  others are marked slow (compiling each mode on each mesh takes seconds)."""
+  """Pytest params: those whose id is in ``fast`` run in the fast tier, the
+  others are marked slow (compiling each mode on each mesh takes seconds).
+  """
   ids = ids or ["-".join(map(str, c)) for c in cases]
-  return [pytest.param(*c, id=i, marks=() if i in fast else pytest.mark.slow)
-          for c, i in zip(cases, ids)]
+  return [
+    pytest.param(*c, id=i, marks=() if i in fast else pytest.mark.slow)
+    for c, i in zip(cases, ids)
+  ]
 
 
 def _tx(name, lr=None):
@@ -96,8 +99,10 @@ def _shardings(mesh):
 def _values(seed):
   """Host arrays of the layout's shapes (normal, scaled per leaf)."""
   rng = np.random.default_rng(seed)
-  return {k: (rng.normal(size=shape) * (1 + i)).astype(np.float32)
-          for i, (k, (shape, _)) in enumerate(LAYOUT.items())}
+  return {
+    k: (rng.normal(size=shape) * (1 + i)).astype(np.float32)
+    for i, (k, (shape, _)) in enumerate(LAYOUT.items())
+  }
 
 
 GRADS = [_values(10 + t) for t in range(STEPS)]
@@ -118,8 +123,11 @@ def _param_sized(state, params):
   Replicated parameters are left out: where an array created from nothing
   lands is JAX's choice (replicated, or one device).
   """
-  by_shape = {p.shape: (k, p) for k, p in params.items()
-              if not p.sharding.is_fully_replicated}
+  by_shape = {
+    p.shape: (k, p)
+    for k, p in params.items()
+    if not p.sharding.is_fully_replicated
+  }
   out = []
   for path, leaf in jax.tree_util.tree_leaves_with_path(state):
     shape = getattr(leaf, "shape", None)
@@ -131,22 +139,27 @@ def _param_sized(state, params):
 def _assert_same_shardings(tree, params, what):
   for k, p in params.items():
     assert tree[k].sharding.is_equivalent_to(p.sharding, p.ndim), (
-        f"{what}[{k!r}] has {tree[k].sharding}, the param has {p.sharding}")
+      f"{what}[{k!r}] has {tree[k].sharding}, the param has {p.sharding}"
+    )
 
 
 def _assert_state_shardings(state, params):
   matched = _param_sized(state, params)
   for path, leaf, p in matched:
     assert leaf.sharding.is_equivalent_to(p.sharding, p.ndim), (
-        f"state leaf {path} of shape {leaf.shape} has {leaf.sharding}, its "
-        f"parameter has {p.sharding}")
+      f"state leaf {path} of shape {leaf.shape} has {leaf.sharding}, its "
+      f"parameter has {p.sharding}"
+    )
   return matched
 
 
 def _metric(state, word):
   """The one scalar of ``metrics(state)`` whose key contains ``word``."""
-  found = {k: v for k, v in grpo_optax.metrics(state).items()
-           if word in k and jnp.ndim(v) == 0}
+  found = {
+    k: v
+    for k, v in grpo_optax.metrics(state).items()
+    if word in k and jnp.ndim(v) == 0
+  }
   assert len(found) == 1, (word, sorted(grpo_optax.metrics(state)))
   return float(next(iter(found.values())))
 
@@ -192,13 +205,20 @@ def _trajectory(name, axis_type=None, with_mesh=True):
 # -- (a) it runs, (c) it keeps the params' shardings -------------------------
 
 
-@pytest.mark.parametrize("mode,ctx", _tiered(
-    GRID, {"adam-auto", "dense-explicit-set_mesh", "topk-explicit-set_mesh"}, [f"{m}-{_ctx_id(c)}" for m, c in GRID]))
+@pytest.mark.parametrize(
+  "mode,ctx",
+  _tiered(
+    GRID,
+    {"adam-auto", "dense-explicit-set_mesh", "topk-explicit-set_mesh"},
+    [f"{m}-{_ctx_id(c)}" for m, c in GRID],
+  ),
+)
 def test_update_runs_and_keeps_the_params_shardings(mode, ctx):
   start, updates, states, params = _trajectory(mode, *ctx)
   # Adam's mu and nu at least, in every mode.
   assert len(_assert_state_shardings(states[0], start)) >= 2 * len(
-      _param_sized(start, start))
+    _param_sized(start, start)
+  )
   for u, state in zip(updates, states[1:]):
     _assert_same_shardings(u, start, "updates")
     _assert_state_shardings(state, start)
@@ -218,8 +238,9 @@ def adam_traffic():
   for axis_type in bench.AXIS_TYPES:
     mesh = bench.make_mesh(axis_type)
     with jax.set_mesh(mesh):
-      r = bench.measure(optax.adam(1e-3), bench.make_params(
-          mesh, bench.layout()))
+      r = bench.measure(
+        optax.adam(1e-3), bench.make_params(mesh, bench.layout())
+      )
     assert r["compiles"], r
     out[axis_type] = r["collective_bytes"]
   return out
@@ -228,11 +249,17 @@ def adam_traffic():
 COLLECTIVES_GRID = [(m, c) for m, c in GRID if m != "adam"]
 
 
-@pytest.mark.parametrize("mode,ctx", _tiered(
-    COLLECTIVES_GRID, {"topk-auto", "topk-explicit-set_mesh"},
-    [f"{m}-{_ctx_id(c)}" for m, c in COLLECTIVES_GRID]))
+@pytest.mark.parametrize(
+  "mode,ctx",
+  _tiered(
+    COLLECTIVES_GRID,
+    {"topk-auto", "topk-explicit-set_mesh"},
+    [f"{m}-{_ctx_id(c)}" for m, c in COLLECTIVES_GRID],
+  ),
+)
 def test_update_has_no_all_gather_and_scalar_sized_collectives(
-    mode, ctx, adam_traffic):
+  mode, ctx, adam_traffic
+):
   """On the benchmark's 4.2M-parameter layout (compiled, not run)."""
   axis_type, with_mesh = ctx
   mesh = bench.make_mesh(axis_type)
@@ -245,9 +272,10 @@ def test_update_has_no_all_gather_and_scalar_sized_collectives(
   extra = training.ring_traffic(compiled)["total"] - adam_traffic[axis_type]
   budget = 0.01 * bench.param_bytes_per_device(params)
   assert extra <= budget, (
-      f"{mode}: {extra:.0f} collective bytes per device beyond Adam's, more "
-      f"than 1% of the {budget * 100:.0f} parameter bytes per device; "
-      f"ops {ops}")
+    f"{mode}: {extra:.0f} collective bytes per device beyond Adam's, more "
+    f"than 1% of the {budget * 100:.0f} parameter bytes per device; "
+    f"ops {ops}"
+  )
 
 
 # -- exact top-k must see a whole leaf: it says so --------------------------
@@ -264,22 +292,26 @@ def _exact_topk_outcome(params, grads):
       error = None
     except ValueError as e:
       error = e
-  return error, [str(w.message) for w in caught
-                 if issubclass(w.category, UserWarning)]
+  return error, [
+    str(w.message) for w in caught if issubclass(w.category, UserWarning)
+  ]
 
 
-@pytest.mark.parametrize("axis_type", _tiered([("auto",), ("explicit",)],
-                                              {"auto"}))
+@pytest.mark.parametrize(
+  "axis_type", _tiered([("auto",), ("explicit",)], {"auto"})
+)
 def test_exact_topk_warns_or_refuses_on_a_sharded_leaf(axis_type):
   mesh = bench.make_mesh(axis_type)
   shardings = _shardings(mesh)
   with jax.set_mesh(mesh):
-    error, messages = _exact_topk_outcome(_place(_values(0), shardings),
-                                          _place(_values(1), shardings))
+    error, messages = _exact_topk_outcome(
+      _place(_values(0), shardings), _place(_values(1), shardings)
+    )
   named = [m for m in messages if "exact" in m]
   assert (error is not None and "exact" in str(error)) or named, (
-      f"topk_method='exact' on sharded leaves neither raised a ValueError "
-      f"naming 'exact' ({error!r}) nor warned ({messages})")
+    f"topk_method='exact' on sharded leaves neither raised a ValueError "
+    f"naming 'exact' ({error!r}) nor warned ({messages})"
+  )
 
 
 @pytest.mark.slow
@@ -299,43 +331,55 @@ MESHES = {"auto": False, "explicit": True}
 DENSE = ("adam", "dense", "article_dense", "freeze_dense")
 
 
-@pytest.mark.parametrize("mode,axis_type", _tiered(
-    [(m, a) for m in DENSE for a in AXIS_TYPES], {"dense-explicit"}))
+@pytest.mark.parametrize(
+  "mode,axis_type",
+  _tiered([(m, a) for m in DENSE for a in AXIS_TYPES], {"dense-explicit"}),
+)
 def test_dense_sharded_updates_equal_unsharded(mode, axis_type):
   _, ref, ref_states, _ = _trajectory(mode)
   _, got, states, _ = _trajectory(mode, axis_type, MESHES[axis_type])
   for t, (u, r) in enumerate(zip(got, ref)):
     for k in LAYOUT:
-      np.testing.assert_allclose(np.asarray(u[k]), np.asarray(r[k]),
-                                 rtol=2e-5, atol=1e-8,
-                                 err_msg=f"{mode} step {t} leaf {k}")
+      np.testing.assert_allclose(
+        np.asarray(u[k]),
+        np.asarray(r[k]),
+        rtol=2e-5,
+        atol=1e-8,
+        err_msg=f"{mode} step {t} leaf {k}",
+      )
   want = grpo_optax.metrics(ref_states[-1])
   have = grpo_optax.metrics(states[-1])
   assert set(have) == set(want)
   for key, value in want.items():
     if jnp.ndim(value) == 0:
-      np.testing.assert_allclose(float(have[key]), float(value), rtol=1e-4,
-                                 atol=1e-7, err_msg=key)
+      np.testing.assert_allclose(
+        float(have[key]), float(value), rtol=1e-4, atol=1e-7, err_msg=key
+      )
 
 
-@pytest.mark.parametrize("mode,axis_type", _tiered(
-    [(m, a) for m in MASKED for a in AXIS_TYPES], {"topk-explicit"}))
+@pytest.mark.parametrize(
+  "mode,axis_type",
+  _tiered([(m, a) for m in MASKED for a in AXIS_TYPES], {"topk-explicit"}),
+)
 def test_masked_sharded_kept_fraction_matches_unsharded(mode, axis_type):
   ref = _metric(_trajectory(mode)[2][-1], "kept")
-  got = _metric(_trajectory(mode, axis_type, MESHES[axis_type])[2][-1],
-                "kept")
+  got = _metric(_trajectory(mode, axis_type, MESHES[axis_type])[2][-1], "kept")
   # ~1,024 sampled entries per leaf: a kept-fraction error of ~0.015 each.
   assert abs(got - ref) <= 0.05, (mode, got, ref)
   if mode != "threshold":
     assert abs(got - 0.3) <= 0.05, (mode, got)
 
 
-@pytest.mark.parametrize("mode,axis_type", _tiered(
-    [(m, a) for m in ("mask_topk", "mask_threshold") for a in AXIS_TYPES],
-    set()))
+@pytest.mark.parametrize(
+  "mode,axis_type",
+  _tiered(
+    [(m, a) for m in ("mask_topk", "mask_threshold") for a in AXIS_TYPES], set()
+  ),
+)
 def test_masked_error_feedback_loses_nothing_when_sharded(mode, axis_type):
   """sum_t g_t = sum_t (-u_t) + r_T: ||sum g + sum u|| is the residual norm
-  that metrics() reports, and the kept fraction matches one device's."""
+  that metrics() reports, and the kept fraction matches one device's.
+  """
   _, ref, _, _ = _trajectory(mode)
   _, got, states, _ = _trajectory(mode, axis_type, MESHES[axis_type])
   diff_sq = 0.0
@@ -344,27 +388,35 @@ def test_masked_error_feedback_loses_nothing_when_sharded(mode, axis_type):
     sent = -sum(np.asarray(u[k], np.float64) for u in got)
     diff_sq += float(np.sum((total - sent) ** 2))
   assert diff_sq > 0  # something was held back
-  np.testing.assert_allclose(_metric(states[-1], "residual"),
-                             np.sqrt(diff_sq), rtol=1e-4)
+  np.testing.assert_allclose(
+    _metric(states[-1], "residual"), np.sqrt(diff_sq), rtol=1e-4
+  )
   for k in ("rows", "cols", "tp", "stacked"):
     kept = np.mean(np.asarray(got[-1][k]) != 0)
     kept_ref = np.mean(np.asarray(ref[-1][k]) != 0)
     assert abs(kept - kept_ref) <= 0.05, (k, kept, kept_ref)
   # Leaves under min_size (1,024) pass dense: the bias and the scalar.
   for k in ("bias", "scale"):
-    np.testing.assert_allclose(np.asarray(got[-1][k]), -GRADS[-1][k],
-                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[-1][k]), -GRADS[-1][k], rtol=1e-6)
 
 
-@pytest.mark.parametrize("stage,axis_type", _tiered(
+@pytest.mark.parametrize(
+  "stage,axis_type",
+  _tiered(
     [(m, a) for m in ("top_k_mask", "ema_threshold_mask") for a in AXIS_TYPES],
-    {"top_k_mask-auto"}))
+    {"top_k_mask-auto"},
+  ),
+)
 def test_mask_stage_on_sharded_leaves_loses_nothing(stage, axis_type):
   """The chain stages: sum_t out_t + residual_T == sum_t g_t on sharded
-  leaves, out and residual keep the shardings, and no all-gather."""
-  make = {"top_k_mask": lambda: grpo_optax.top_k_mask(
-              0.3, method="sampled", min_size=1024),
-          "ema_threshold_mask": lambda: grpo_optax.ema_threshold_mask()}[stage]
+  leaves, out and residual keep the shardings, and no all-gather.
+  """
+  make = {
+    "top_k_mask": lambda: grpo_optax.top_k_mask(
+      0.3, method="sampled", min_size=1024
+    ),
+    "ema_threshold_mask": lambda: grpo_optax.ema_threshold_mask(),
+  }[stage]
   mesh = bench.make_mesh(axis_type)
   with jax.set_mesh(mesh):
     shardings = _shardings(mesh)
@@ -377,14 +429,20 @@ def test_mask_stage_on_sharded_leaves_loses_nothing(stage, axis_type):
       _assert_same_shardings(out, _place(g, shardings), "out")
       _assert_same_shardings(state.residual, _place(g, shardings), "residual")
       outs.append(out)
-    ops = training.collective_ops(update.lower(
-        _place(GRADS[0], shardings), state).compile())
+    ops = training.collective_ops(
+      update.lower(_place(GRADS[0], shardings), state).compile()
+    )
   assert not [op for op in ops if op[0] == "all-gather"], ops
   for k in LAYOUT:
     total = sum(np.asarray(g[k], np.float64) for g in GRADS)
     sent = sum(np.asarray(o[k], np.float64) for o in outs)
-    np.testing.assert_allclose(sent + np.asarray(state.residual[k]), total,
-                               rtol=1e-5, atol=1e-5, err_msg=k)
+    np.testing.assert_allclose(
+      sent + np.asarray(state.residual[k]),
+      total,
+      rtol=1e-5,
+      atol=1e-5,
+      err_msg=k,
+    )
 
 
 # -- (e) optax's recipe for the state's shardings ----------------------------
@@ -393,13 +451,19 @@ def test_mask_stage_on_sharded_leaves_loses_nothing(stage, axis_type):
 def _recipe_shardings(tx, params, shardings, mesh):
   replicated = NamedSharding(mesh, P())
   return optax.tree.map_params(
-      tx, lambda _, sh: sh, jax.eval_shape(tx.init, params), shardings,
-      transform_non_params=lambda _: replicated,
-      is_leaf=lambda x: isinstance(x, NamedSharding))
+    tx,
+    lambda _, sh: sh,
+    jax.eval_shape(tx.init, params),
+    shardings,
+    transform_non_params=lambda _: replicated,
+    is_leaf=lambda x: isinstance(x, NamedSharding),
+  )
 
 
-@pytest.mark.parametrize("mode,axis_type", _tiered(
-    [(m, a) for m in MODES for a in AXIS_TYPES], {"topk-auto"}))
+@pytest.mark.parametrize(
+  "mode,axis_type",
+  _tiered([(m, a) for m in MODES for a in AXIS_TYPES], {"topk-auto"}),
+)
 def test_map_params_recipe_lays_out_the_state(mode, axis_type):
   mesh = bench.make_mesh(axis_type)
   shardings = _shardings(mesh)
@@ -422,36 +486,41 @@ def _nnx_model(rngs):
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   class Layout(nnx.Module):
-
     def __init__(self, rngs):
       for i, (name, (shape, spec)) in enumerate(LAYOUT.items()):
-        init = nnx.with_partitioning(nnx.initializers.normal(1.0 + i),
-                                     tuple(spec) + (None,) * (
-                                         len(shape) - len(spec)))
+        init = nnx.with_partitioning(
+          nnx.initializers.normal(1.0 + i),
+          tuple(spec) + (None,) * (len(shape) - len(spec)),
+        )
         setattr(self, name, nnx.Param(init(rngs.params(), shape)))
 
     def loss(self, target):
-      return sum(jnp.sum(jnp.sin(getattr(self, k)[...]) * target[k])
-                 for k in LAYOUT)
+      return sum(
+        jnp.sum(jnp.sin(getattr(self, k)[...]) * target[k]) for k in LAYOUT
+      )
 
   return Layout(rngs)
 
 
-NNX_GRID = [(m, "auto") for m in MODES] + [("dense", "explicit"),
-                                           ("topk", "explicit")]
+NNX_GRID = [(m, "auto") for m in MODES] + [
+  ("dense", "explicit"),
+  ("topk", "explicit"),
+]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,axis_type", NNX_GRID)
 def test_nnx_optimizer_on_a_sharded_model(mode, axis_type):
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   mesh = bench.make_mesh(axis_type)
   shardings = _shardings(mesh)
   with jax.set_mesh(mesh):
     model = _nnx_model(nnx.Rngs(0))
     for k in LAYOUT:
       assert getattr(model, k)[...].sharding.is_equivalent_to(
-          shardings[k], len(LAYOUT[k][0])), k
+        shardings[k], len(LAYOUT[k][0])
+      ), k
     optimizer = nnx.Optimizer(model, _tx(mode), wrt=nnx.Param)
 
     @nnx.jit
@@ -468,8 +537,10 @@ def test_nnx_optimizer_on_a_sharded_model(mode, axis_type):
     for k in LAYOUT:
       value = getattr(model, k)[...]
       assert value.sharding.is_equivalent_to(shardings[k], value.ndim), k
-    assert any(not np.array_equal(before[k], np.asarray(
-        getattr(model, k)[...])) for k in LAYOUT)
+    assert any(
+      not np.array_equal(before[k], np.asarray(getattr(model, k)[...]))
+      for k in LAYOUT
+    )
 
 
 # -- (g) orbax: saved on 8 devices, restored on 4 ----------------------------
@@ -478,8 +549,10 @@ def test_nnx_optimizer_on_a_sharded_model(mode, axis_type):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_orbax_restores_onto_four_devices_and_training_continues(
-    mode, tmp_path):
+  mode, tmp_path
+):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
   mesh8 = bench.make_mesh("auto")
   mesh4 = bench.make_mesh("auto", devices=jax.devices()[:4], shape=(2, 2))
   sh8, sh4 = _shardings(mesh8), _shardings(mesh4)
@@ -492,30 +565,44 @@ def test_orbax_restores_onto_four_devices_and_training_continues(
 
   params4 = _place(jax.tree.map(np.asarray, params8), sh4)
   # The state's layout on 4 devices: tx.init's, scalars replicated.
-  layout4 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=x.sharding if isinstance(
-          x.sharding, NamedSharding) else NamedSharding(mesh4, P())),
-                         tx.init(params4))
+  layout4 = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape,
+      x.dtype,
+      sharding=x.sharding
+      if isinstance(x.sharding, NamedSharding)
+      else NamedSharding(mesh4, P()),
+    ),
+    tx.init(params4),
+  )
   restored = checkpointer.restore(tmp_path / "state", layout4)
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state8)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert {d for x in jax.tree.leaves(restored) for d in x.devices()} <= set(
-      jax.devices()[:4])
+    jax.devices()[:4]
+  )
 
   g = _values(99)
   u4, next4 = update(_place(g, sh4), restored, params4)
   u8, next8 = update(_place(g, sh8), state8, params8)
   _assert_same_shardings(u4, params4, "updates on 4 devices")
   # The unrestored state moved onto the same 4 devices gives the same step.
-  moved = jax.tree.map(lambda x, y: jax.device_put(np.asarray(x), y.sharding),
-                       state8, layout4)
+  moved = jax.tree.map(
+    lambda x, y: jax.device_put(np.asarray(x), y.sharding), state8, layout4
+  )
   u4_moved, _ = update(_place(g, sh4), moved, params4)
   for k in LAYOUT:
-    np.testing.assert_allclose(np.asarray(u4[k]), np.asarray(u4_moved[k]),
-                               rtol=1e-6, atol=1e-9, err_msg=k)
+    np.testing.assert_allclose(
+      np.asarray(u4[k]),
+      np.asarray(u4_moved[k]),
+      rtol=1e-6,
+      atol=1e-9,
+      err_msg=k,
+    )
     if mode in ("adam", "dense"):  # the same step as on 8 devices
-      np.testing.assert_allclose(np.asarray(u4[k]), np.asarray(u8[k]),
-                                 rtol=2e-5, atol=1e-8, err_msg=k)
+      np.testing.assert_allclose(
+        np.asarray(u4[k]), np.asarray(u8[k]), rtol=2e-5, atol=1e-8, err_msg=k
+      )
   if mode in MASKED:  # a mask drawn on other shards keeps as much
     assert abs(_metric(next4, "kept") - _metric(next8, "kept")) <= 0.05
 
@@ -525,33 +612,48 @@ def test_orbax_restores_onto_four_devices_and_training_continues(
 
 def _dp_params():
   rng = np.random.default_rng(0)
-  return {"w1": (rng.normal(size=(32, 64)) / 6).astype(np.float32),
-          "b1": np.zeros(64, np.float32),
-          "w2": (rng.normal(size=(64, 8)) / 8).astype(np.float32)}
+  return {
+    "w1": (rng.normal(size=(32, 64)) / 6).astype(np.float32),
+    "b1": np.zeros(64, np.float32),
+    "w2": (rng.normal(size=(64, 8)) / 8).astype(np.float32),
+  }
 
 
 def _dp_loss(params, batch):
   x, y = batch
-  return jnp.mean((jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"]
-                   - y) ** 2)
+  return jnp.mean(
+    (jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] - y) ** 2
+  )
 
 
 @pytest.mark.slow
 def test_data_parallel_step_with_fsdp_params_within_a_node():
   """FSDP within a node ("local"), the sparse exchange across ("node"): the
   params keep their FSDP shardings, and the steps equal those of the same
-  data_parallel_step on replicated params."""
+  data_parallel_step on replicated params.
+  """
   mesh = jax.make_mesh((2, 4), ("node", "local"))
   specs = {"w1": P("local", None), "b1": P(), "w2": P(None, "local")}
   fsdp = {k: NamedSharding(mesh, s) for k, s in specs.items()}
   rng = np.random.default_rng(1)
-  batches = [(rng.normal(size=(32, 32)).astype(np.float32),
-              rng.normal(size=(32, 8)).astype(np.float32)) for _ in range(3)]
+  batches = [
+    (
+      rng.normal(size=(32, 32)).astype(np.float32),
+      rng.normal(size=(32, 8)).astype(np.float32),
+    )
+    for _ in range(3)
+  ]
 
   def run(params):
     dp = training.data_parallel_step(
-        _dp_loss, grpo_optax.grpo(1e-2, sparsify=None), mesh, axis="node",
-        dense_axis="local", exchange="all_gather", fraction=0.3)
+      _dp_loss,
+      grpo_optax.grpo(1e-2, sparsify=None),
+      mesh,
+      axis="node",
+      dense_axis="local",
+      exchange="all_gather",
+      fraction=0.3,
+    )
     state = dp.init(params)
     losses = []
     for batch in batches:
@@ -565,6 +667,10 @@ def test_data_parallel_step_with_fsdp_params_within_a_node():
     assert p.sharding.is_equivalent_to(fsdp[k], p.ndim), (k, p.sharding)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   for k in specs:
-    np.testing.assert_allclose(np.asarray(state.params[k]),
-                               np.asarray(ref_state.params[k]), rtol=1e-5,
-                               atol=1e-7, err_msg=k)
+    np.testing.assert_allclose(
+      np.asarray(state.params[k]),
+      np.asarray(ref_state.params[k]),
+      rtol=1e-5,
+      atol=1e-7,
+      err_msg=k,
+    )

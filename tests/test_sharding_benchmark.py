@@ -23,7 +23,8 @@ def test_quick_benchmark_writes_json_and_markdown(tmp_path):
   assert data["results"]["adam"]["auto"]["collective_bytes"] == 0
   # Quick layout: every sharded dimension still divides the mesh axes.
   assert data["num_params"] == sum(
-      math.prod(v["shape"]) for v in data["layout"].values())
+    math.prod(v["shape"]) for v in data["layout"].values()
+  )
   assert data["param_bytes_per_device"] < 4 * data["num_params"]
   table = (tmp_path / "sharding.md").read_text()
   for name in sharding.optimizers():

@@ -13,8 +13,10 @@ import grpo_optax
 
 def _tree(seed=0, shapes=((50, 20), (37,), (3, 4, 5))):
   rng = np.random.default_rng(seed)
-  return {f"l{i}": jnp.asarray(rng.normal(size=s), jnp.float32)
-          for i, s in enumerate(shapes)}
+  return {
+    f"l{i}": jnp.asarray(rng.normal(size=s), jnp.float32)
+    for i, s in enumerate(shapes)
+  }
 
 
 @pytest.mark.parametrize("fraction", [0.01, 0.3, 0.5, 1.0])
@@ -42,13 +44,16 @@ def test_exact_topk_ties_keep_exactly_k():
   assert int(jnp.sum(out["w"] != 0)) == 5
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: grpo_optax.top_k_mask(0.2),
     lambda: grpo_optax.top_k_mask(0.2, method="sampled"),
     lambda: grpo_optax.top_k_mask(0.2, frequency_weight=0.5),
     lambda: grpo_optax.top_k_mask(0.2, warmup_steps=4),
     lambda: grpo_optax.ema_threshold_mask(every=3),
-])
+  ],
+)
 def test_error_feedback_loses_nothing(make):
   tx = make()
   params = _tree()
@@ -62,8 +67,9 @@ def test_error_feedback_loses_nothing(make):
     sum_g = jax.tree.map(jnp.add, sum_g, g)
     sum_out = jax.tree.map(jnp.add, sum_out, out)
   recovered = jax.tree.map(jnp.add, sum_out, state.residual)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4),
-               recovered, sum_g)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), recovered, sum_g
+  )
   # the masks did drop something at every step, so the residual is not empty
   assert float(optax.tree.norm(state.residual)) > 0
 
@@ -117,12 +123,15 @@ def test_sampled_topk_keeps_close_to_target(dist, fraction):
   rng = np.random.default_rng(7)
   n, steps = 400_000, 8
   x = rng.normal(size=n) if dist == "gaussian" else rng.standard_t(3, size=n)
-  g = {"w": jnp.asarray(x, jnp.float32),
-       "small": jnp.asarray(rng.normal(size=300), jnp.float32)}
+  g = {
+    "w": jnp.asarray(x, jnp.float32),
+    "small": jnp.asarray(rng.normal(size=300), jnp.float32),
+  }
   m = 4_000  # 1% of n (the floor is 1,024)
   sigma = math.sqrt(fraction * (1 - fraction) / m)
-  tx = grpo_optax.top_k_mask(fraction, method="sampled", error_feedback=False,
-                             seed=3)
+  tx = grpo_optax.top_k_mask(
+    fraction, method="sampled", error_feedback=False, seed=3
+  )
   state = tx.init(g)
   update = jax.jit(tx.update)
   kept_w = []
@@ -163,8 +172,10 @@ def test_sampled_topk_zeros_carry_nothing():
 
 def test_sampled_positions_move_every_step():
   x = jnp.arange(200 * 256, dtype=jnp.float32).reshape(200, 256)
-  samples = [grpo_optax.sparsify.random_samples([x], 0, jnp.asarray(t))[0]
-             for t in range(4)]
+  samples = [
+    grpo_optax.sparsify.random_samples([x], 0, jnp.asarray(t))[0]
+    for t in range(4)
+  ]
   # A grid of ~1,024 entries, taken at other offsets at every step, and
   # always a grid (constant strides along each axis).
   assert 512 <= samples[0].size <= 2048
@@ -179,7 +190,9 @@ def test_sampled_positions_move_every_step():
 
 def test_warmup_ramps_from_dense_to_fraction():
   tx = grpo_optax.top_k_mask(0.1, warmup_steps=4, error_feedback=False)
-  g = {"w": jnp.asarray(np.random.default_rng(0).normal(size=1000), jnp.float32)}
+  g = {
+    "w": jnp.asarray(np.random.default_rng(0).normal(size=1000), jnp.float32)
+  }
   state = tx.init(g)
   kept = []
   for _ in range(6):
@@ -220,7 +233,7 @@ def test_frequency_weight_rotates_kept_entries():
 
 
 def test_frequency_weight_matches_numpy_reference():
-  """score = (1-b)|a|/mean|a| - b f, f = EMA of the kept indicator (exact top-k)."""
+  """Score = (1-b)|a|/mean|a| - b f, f = EMA of the kept indicator (exact top-k)."""
   b, d, fraction = 0.4, 0.7, 0.3
   rng = np.random.default_rng(5)
   grads = [{"w": rng.normal(size=20).astype(np.float32)} for _ in range(8)]
@@ -278,7 +291,9 @@ def test_ema_threshold_matches_numpy_reference():
     out, state = update(g, state)
     for k in r:
       np.testing.assert_allclose(out[k], r[k], rtol=2e-4, atol=1e-6)
-  np.testing.assert_allclose(state.tau, [tau[k] for k in sorted(tau)], rtol=2e-4)
+  np.testing.assert_allclose(
+    state.tau, [tau[k] for k in sorted(tau)], rtol=2e-4
+  )
   assert int(state.count) == 25
 
 
@@ -312,12 +327,19 @@ def test_ema_threshold_leaf_count_mismatch():
     tx.update({"a": jnp.ones(3), "b": jnp.ones(2)}, state)
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(fraction=0.0), "fraction"), (dict(fraction=1.5), "fraction"),
-    (dict(fraction=-0.1), "fraction"), (dict(frequency_weight=2.0), "frequency_weight"),
-    (dict(min_size=-1), "min_size"), (dict(warmup_steps=-3), "warmup_steps"),
-    (dict(warmup_steps=2.5), "warmup_steps"), (dict(frequency_decay=1.0), "frequency_decay"),
-])
+@pytest.mark.parametrize(
+  "kwargs,name",
+  [
+    (dict(fraction=0.0), "fraction"),
+    (dict(fraction=1.5), "fraction"),
+    (dict(fraction=-0.1), "fraction"),
+    (dict(frequency_weight=2.0), "frequency_weight"),
+    (dict(min_size=-1), "min_size"),
+    (dict(warmup_steps=-3), "warmup_steps"),
+    (dict(warmup_steps=2.5), "warmup_steps"),
+    (dict(frequency_decay=1.0), "frequency_decay"),
+  ],
+)
 def test_topk_bad_input(kwargs, name):
   with pytest.raises(ValueError, match=name):
     grpo_optax.top_k_mask(**kwargs)
@@ -328,17 +350,25 @@ def test_topk_unknown_method():
     grpo_optax.top_k_mask(method="approx")
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(alpha=0.0), "alpha"), (dict(alpha=1.2), "alpha"), (dict(every=0), "every"),
-    (dict(every=1.5), "every"), (dict(scale=-1.0), "scale")])
+@pytest.mark.parametrize(
+  "kwargs,name",
+  [
+    (dict(alpha=0.0), "alpha"),
+    (dict(alpha=1.2), "alpha"),
+    (dict(every=0), "every"),
+    (dict(every=1.5), "every"),
+    (dict(scale=-1.0), "scale"),
+  ],
+)
 def test_threshold_bad_input(kwargs, name):
   with pytest.raises(ValueError, match=name):
     grpo_optax.ema_threshold_mask(**kwargs)
 
 
 def test_traced_fraction_with_exact_method_keeps_exactly_k():
-  tx = optax.inject_hyperparams(grpo_optax.top_k_mask)(fraction=0.3,
-                                                       error_feedback=False)
+  tx = optax.inject_hyperparams(grpo_optax.top_k_mask)(
+    fraction=0.3, error_feedback=False
+  )
   g = _tree()
   out, state = jax.jit(tx.update)(g, tx.init(g))
   for name, leaf in g.items():

@@ -5,7 +5,6 @@ processes of two devices each (gloo over localhost).
 """
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -37,21 +36,29 @@ def _mesh(n=W, names=("data",), shape=None):
 
 def _params():
   rng = np.random.default_rng(0)
-  return {"w1": (rng.normal(size=(16, 48)) / 4).astype(np.float32),
-          "b1": np.zeros(48, np.float32),
-          "w2": (rng.normal(size=(48, 4)) / 7).astype(np.float32)}
+  return {
+    "w1": (rng.normal(size=(16, 48)) / 4).astype(np.float32),
+    "b1": np.zeros(48, np.float32),
+    "w2": (rng.normal(size=(48, 4)) / 7).astype(np.float32),
+  }
 
 
 def _loss(params, batch):
   x, y = batch
-  return jnp.mean((jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"]
-                   - y) ** 2)
+  return jnp.mean(
+    (jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] - y) ** 2
+  )
 
 
 def _batches(n=3, size=32, seed=1):
   rng = np.random.default_rng(seed)
-  return [(rng.normal(size=(size, 16)).astype(np.float32),
-           rng.normal(size=(size, 4)).astype(np.float32)) for _ in range(n)]
+  return [
+    (
+      rng.normal(size=(size, 16)).astype(np.float32),
+      rng.normal(size=(size, 4)).astype(np.float32),
+    )
+    for _ in range(n)
+  ]
 
 
 def _run(dp, batches):
@@ -82,8 +89,7 @@ def _assert_trees_close(a, b, atol):
 def test_dense_step_equals_single_device_full_batch():
   tx = optax.adam(1e-2)
   batches = _batches()
-  state, losses = _run(training.data_parallel_step(_loss, tx, _mesh()),
-                       batches)
+  state, losses = _run(training.data_parallel_step(_loss, tx, _mesh()), batches)
   want_params, want_losses = _reference(tx, batches)
   _assert_trees_close(state.params, want_params, 1e-5)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
@@ -97,8 +103,12 @@ def test_sparse_exchange_with_fraction_one_equals_dense(exchange):
   tx = optax.adam(1e-2)
   batches = _batches()
   dense, _ = _run(training.data_parallel_step(_loss, tx, _mesh()), batches)
-  sparse, _ = _run(training.data_parallel_step(
-      _loss, tx, _mesh(), exchange=exchange, fraction=1.0), batches)
+  sparse, _ = _run(
+    training.data_parallel_step(
+      _loss, tx, _mesh(), exchange=exchange, fraction=1.0
+    ),
+    batches,
+  )
   _assert_trees_close(sparse.params, dense.params, 1e-5)
   for r in jax.tree.leaves(sparse.residual):  # Everything was sent.
     assert r.shape[0] == W and float(jnp.max(jnp.abs(r))) == 0.0
@@ -107,42 +117,64 @@ def test_sparse_exchange_with_fraction_one_equals_dense(exchange):
 def _linear_loss(params, batch):
   # The gradient is the batch mean of (x, z): it does not depend on params.
   x, z = batch
-  return jnp.mean(x @ params["w"]) + jnp.mean(jnp.sum(z * params["m"],
-                                                       axis=(1, 2)))
+  return jnp.mean(x @ params["w"]) + jnp.mean(
+    jnp.sum(z * params["m"], axis=(1, 2))
+  )
 
 
 @pytest.mark.parametrize("exchange", ["all_gather", "shared_support"])
 def test_error_feedback_loses_nothing(exchange):
   params = {"w": np.zeros(300, np.float32), "m": np.zeros((7, 9), np.float32)}
   rng = np.random.default_rng(2)
-  batches = [(rng.normal(size=(16, 300)).astype(np.float32),
-              rng.standard_t(3, size=(16, 7, 9)).astype(np.float32))
-             for _ in range(4)]
-  dp = training.data_parallel_step(_linear_loss, optax.sgd(1.0), _mesh(),
-                                   exchange=exchange, fraction=0.1,
-                                   chunk_size=8)
+  batches = [
+    (
+      rng.normal(size=(16, 300)).astype(np.float32),
+      rng.standard_t(3, size=(16, 7, 9)).astype(np.float32),
+    )
+    for _ in range(4)
+  ]
+  dp = training.data_parallel_step(
+    _linear_loss,
+    optax.sgd(1.0),
+    _mesh(),
+    exchange=exchange,
+    fraction=0.1,
+    chunk_size=8,
+  )
   state = dp.init(params)
   for batch in batches:
     state, _ = dp.step(state, batch)
   applied = jax.tree.map(lambda p: -np.asarray(p), state.params)
   mean_residual = jax.tree.map(lambda r: np.asarray(r).mean(0), state.residual)
-  want = {"w": sum(x.mean(0) for x, _ in batches),
-          "m": sum(z.mean(0) for _, z in batches)}
+  want = {
+    "w": sum(x.mean(0) for x, _ in batches),
+    "m": sum(z.mean(0) for _, z in batches),
+  }
   for k in want:
-    np.testing.assert_allclose(applied[k] + mean_residual[k], want[k],
-                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+      applied[k] + mean_residual[k], want[k], atol=1e-5, rtol=0
+    )
     # Sparse: most of it is still in the residual after 4 steps at 10%.
     assert np.abs(mean_residual[k]).sum() > 0.1 * np.abs(want[k]).sum()
   # Without error feedback the unsent part is gone.
-  lossy = training.data_parallel_step(_linear_loss, optax.sgd(1.0), _mesh(),
-                                      exchange=exchange, fraction=0.1,
-                                      chunk_size=8, error_feedback=False)
+  lossy = training.data_parallel_step(
+    _linear_loss,
+    optax.sgd(1.0),
+    _mesh(),
+    exchange=exchange,
+    fraction=0.1,
+    chunk_size=8,
+    error_feedback=False,
+  )
   state = lossy.init(params)
   assert state.residual is None
   state, _ = lossy.step(state, batches[0])
   sent = -np.asarray(state.params["w"])
-  bound = (W * distributed.num_kept(300, 0.1) if exchange == "all_gather"
-           else 8 * distributed.num_kept(distributed.num_chunks(300, 8), 0.1))
+  bound = (
+    W * distributed.num_kept(300, 0.1)
+    if exchange == "all_gather"
+    else 8 * distributed.num_kept(distributed.num_chunks(300, 8), 0.1)
+  )
   assert np.count_nonzero(sent) <= bound
   lost = batches[0][0].mean(0) - sent
   assert np.abs(lost).sum() > 0.2 * np.abs(batches[0][0].mean(0)).sum()
@@ -154,9 +186,14 @@ def _sizes():
 
 @pytest.mark.parametrize("exchange", ["all_gather", "shared_support"])
 def test_sparse_program_has_no_dense_all_reduce(exchange):
-  dp = training.data_parallel_step(_loss, optax.adam(1e-2), _mesh(),
-                                   exchange=exchange, fraction=0.1,
-                                   chunk_size=16)
+  dp = training.data_parallel_step(
+    _loss,
+    optax.adam(1e-2),
+    _mesh(),
+    exchange=exchange,
+    fraction=0.1,
+    chunk_size=16,
+  )
   state = dp.init(_params())
   compiled = dp.lower(state, _batches(1)[0]).compile()
   ops = training.collective_ops(compiled)
@@ -191,8 +228,9 @@ def test_the_pitfall_grad_of_replicated_params_psums_the_full_gradient():
   def naive(params, batch):
     return jax.grad(_loss)(params, batch)
 
-  f = jax.jit(jax.shard_map(naive, mesh=mesh, in_specs=(P(), P("data")),
-                            out_specs=P()))
+  f = jax.jit(
+    jax.shard_map(naive, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+  )
   params = jax.device_put(_params(), jax.NamedSharding(mesh, P()))
   batch = jax.device_put(_batches(1)[0], jax.NamedSharding(mesh, P("data")))
   got = training.collective_bytes(f.lower(params, batch).compile())
@@ -207,22 +245,35 @@ def test_two_dimensional_mesh_dense_within_sparse_across():
   tx = optax.adam(1e-2)
   batches = _batches()
   dense, _ = _run(training.data_parallel_step(_loss, tx, _mesh()), batches)
-  dp = training.data_parallel_step(_loss, tx, mesh, axis="node",
-                                   dense_axis="local", exchange="all_gather",
-                                   fraction=1.0)
+  dp = training.data_parallel_step(
+    _loss,
+    tx,
+    mesh,
+    axis="node",
+    dense_axis="local",
+    exchange="all_gather",
+    fraction=1.0,
+  )
   state, _ = _run(dp, batches)
   _assert_trees_close(state.params, dense.params, 1e-5)
   assert jax.tree.leaves(state.residual)[0].shape[0] == 2  # One per node.
-  sparse = training.data_parallel_step(_loss, tx, mesh, axis="node",
-                                       dense_axis="local",
-                                       exchange="all_gather", fraction=0.1)
+  sparse = training.data_parallel_step(
+    _loss,
+    tx,
+    mesh,
+    axis="node",
+    dense_axis="local",
+    exchange="all_gather",
+    fraction=0.1,
+  )
   state = sparse.init(_params())
   ops = training.collective_ops(sparse.lower(state, batches[0]).compile())
   groups = {(kind, group) for kind, _, group in ops}
   assert ("all-gather", 2) in groups  # Sparse across the 2 nodes.
   assert ("all-reduce", 4) in groups  # Dense within each node of 4.
   assert max(size for kind, size, group in ops if group == 2) < 4 * sum(
-      _sizes())
+    _sizes()
+  )
 
 
 def test_grpo_preset_as_tx_and_aux():
@@ -231,9 +282,14 @@ def test_grpo_preset_as_tx_and_aux():
     loss = _loss(params, batch)
     return loss, {"loss_copy": loss}
 
-  dp = training.data_parallel_step(loss_with_aux, grpo_optax.grpo(1e-2),
-                                   _mesh(), exchange="shared_support",
-                                   fraction=0.3, has_aux=True)
+  dp = training.data_parallel_step(
+    loss_with_aux,
+    grpo_optax.grpo(1e-2),
+    _mesh(),
+    exchange="shared_support",
+    fraction=0.3,
+    has_aux=True,
+  )
   state = dp.init(_params())
   losses, before = [], None
   for batch in _batches(2):
@@ -241,12 +297,13 @@ def test_grpo_preset_as_tx_and_aux():
     state, (loss, aux) = dp.step(state, batch)
     assert old.is_deleted()  # Donated.
     before = before or jax.tree.map(np.array, state.params)
-    np.testing.assert_allclose(float(aux["loss_copy"]), float(loss),
-                               rtol=1e-6)
+    np.testing.assert_allclose(float(aux["loss_copy"]), float(loss), rtol=1e-6)
     losses.append(float(loss))
   assert all(np.isfinite(losses))
-  assert any(not np.allclose(a, b) for a, b in zip(
-      jax.tree.leaves(before), jax.tree.leaves(state.params)))
+  assert any(
+    not np.allclose(a, b)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params))
+  )
 
 
 def test_sharded_jax_array_batch_is_accepted_as_is():
@@ -255,9 +312,9 @@ def test_sharded_jax_array_batch_is_accepted_as_is():
   assert batch[0].sharding.spec == P(("data",))
   assert dp.shard_batch(batch)[0] is batch[0]
   _, loss = dp.step(dp.init(_params()), batch)
-  np.testing.assert_allclose(float(loss), float(_loss(_params(),
-                                                      _batches(1)[0])),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    float(loss), float(_loss(_params(), _batches(1)[0])), rtol=1e-5
+  )
 
 
 def test_sparse_pmean_in_a_users_own_shard_map():
@@ -265,12 +322,19 @@ def test_sparse_pmean_in_a_users_own_shard_map():
   g = np.random.default_rng(3).normal(size=(W, 40)).astype(np.float32)
 
   def local(g, r):
-    mean, r = training.sparse_pmean({"g": g[0]}, {"g": r[0]}, "data",
-                                    exchange="all_gather", fraction=0.25)
+    mean, r = training.sparse_pmean(
+      {"g": g[0]}, {"g": r[0]}, "data", exchange="all_gather", fraction=0.25
+    )
     return mean["g"], r["g"][None]
 
-  f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data")),
-                            out_specs=(P(), P("data"))))
+  f = jax.jit(
+    jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(P("data"), P("data")),
+      out_specs=(P(), P("data")),
+    )
+  )
   mean, r = f(g, np.zeros_like(g))
   # Reference: each row's 10 largest |g| entries, averaged over rows.
   want = np.zeros(40)
@@ -278,8 +342,7 @@ def test_sparse_pmean_in_a_users_own_shard_map():
     keep = np.argsort(-np.abs(row))[:10]
     want[keep] += row[keep] / W
   np.testing.assert_allclose(mean, want, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(r).mean(0) + mean, g.mean(0),
-                             atol=1e-6)
+  np.testing.assert_allclose(np.asarray(r).mean(0) + mean, g.mean(0), atol=1e-6)
 
 
 @pytest.mark.parametrize("exchange", ["all_gather", "shared_support"])
@@ -287,27 +350,36 @@ def test_sparse_pmean_odd_leaves(exchange):
   # An empty leaf, a scalar and a bf16 vector.
   mesh = _mesh()
   rng = np.random.default_rng(4)
-  g = {"e": np.zeros((W, 0, 3), np.float32),
-       "s": rng.normal(size=(W,)).astype(np.float32),
-       "v": rng.normal(size=(W, 5)).astype(jnp.bfloat16)}
+  g = {
+    "e": np.zeros((W, 0, 3), np.float32),
+    "s": rng.normal(size=(W,)).astype(np.float32),
+    "v": rng.normal(size=(W, 5)).astype(jnp.bfloat16),
+  }
 
   def local(g):
     g = jax.tree.map(lambda x: x[0], g)
     r = jax.tree.map(jnp.zeros_like, g)
-    mean, r = training.sparse_pmean(g, r, "data", exchange=exchange,
-                                    fraction=1.0)
+    mean, r = training.sparse_pmean(
+      g, r, "data", exchange=exchange, fraction=1.0
+    )
     return mean, jax.tree.map(lambda x: x[None], r)
 
-  f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("data"),
-                            out_specs=(P(), P("data"))))
+  f = jax.jit(
+    jax.shard_map(
+      local, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data"))
+    )
+  )
   mean, r = f(g)
   assert mean["e"].shape == (0, 3) and mean["v"].dtype == jnp.bfloat16
   np.testing.assert_allclose(mean["s"], g["s"].mean(), rtol=1e-6)
-  np.testing.assert_allclose(np.asarray(mean["v"], np.float32),
-                             np.asarray(g["v"], np.float32).mean(0),
-                             rtol=1e-2)
-  assert all(float(jnp.max(jnp.abs(x), initial=0)) == 0
-             for x in jax.tree.leaves(r))
+  np.testing.assert_allclose(
+    np.asarray(mean["v"], np.float32),
+    np.asarray(g["v"], np.float32).mean(0),
+    rtol=1e-2,
+  )
+  assert all(
+    float(jnp.max(jnp.abs(x), initial=0)) == 0 for x in jax.tree.leaves(r)
+  )
 
 
 _ASYNC_HLO = """
@@ -323,13 +395,20 @@ ROOT %s = s32[5]{0} reduce-scatter(s32[40]{0} %z), replica_groups={}, dimensions
 
 def test_collective_bytes_counts_async_pairs_once():
   got = training.collective_bytes(_ASYNC_HLO)
-  assert got == {"all-reduce": 400 + 16, "all-gather": 32 * 10 * 4,
-                 "reduce-scatter": 20, "all-to-all": 0,
-                 "collective-permute": 16}
+  assert got == {
+    "all-reduce": 400 + 16,
+    "all-gather": 32 * 10 * 4,
+    "reduce-scatter": 20,
+    "all-to-all": 0,
+    "collective-permute": 16,
+  }
   ops = training.collective_ops(_ASYNC_HLO)
   assert [(k, g) for k, _, g in ops] == [
-      ("all-gather", 4), ("all-reduce", 2), ("reduce-scatter", 8),
-      ("collective-permute", 8)]
+    ("all-gather", 4),
+    ("all-reduce", 2),
+    ("reduce-scatter", 8),
+    ("collective-permute", 8),
+  ]
   traffic = training.ring_traffic(_ASYNC_HLO)
   assert traffic["all-gather"] == pytest.approx(3 / 4 * 1280)
   assert traffic["all-reduce"] == pytest.approx(2 * 1 / 2 * 416)
@@ -337,7 +416,9 @@ def test_collective_bytes_counts_async_pairs_once():
   assert traffic["total"] == pytest.approx(960 + 416 + 140 + 16)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
+@pytest.mark.parametrize(
+  "kwargs, error, match",
+  [
     ({"exchange": "sparse"}, ValueError, "`exchange` must be one of"),
     ({"fraction": 0.0}, ValueError, r"`fraction` must be a float in \(0, 1\]"),
     ({"fraction": 1.5}, ValueError, r"`fraction` must be a float in \(0, 1\]"),
@@ -346,7 +427,8 @@ def test_collective_bytes_counts_async_pairs_once():
     ({"dense_axis": "data"}, ValueError, "`dense_axis`"),
     ({"chunk_size": 0}, ValueError, "`chunk_size` must be an int >= 1"),
     ({"error_feedback": 1}, TypeError, "`error_feedback` must be a bool"),
-])
+  ],
+)
 def test_bad_arguments(kwargs, error, match):
   with pytest.raises(error, match=match):
     training.data_parallel_step(_loss, optax.sgd(0.1), _mesh(), **kwargs)
@@ -358,8 +440,9 @@ def test_bad_mesh_tx_batch_and_residual():
   with pytest.raises(TypeError, match="`tx` must be an optax"):
     training.data_parallel_step(_loss, lambda g: g, _mesh())
   with pytest.raises(ValueError, match="extra axes"):
-    training.data_parallel_step(_loss, optax.sgd(0.1),
-                                _mesh(names=("data", "model"), shape=(4, 2)))
+    training.data_parallel_step(
+      _loss, optax.sgd(0.1), _mesh(names=("data", "model"), shape=(4, 2))
+    )
   dp = training.data_parallel_step(_loss, optax.sgd(0.1), _mesh())
   x, y = _batches(1, size=12)[0]
   with pytest.raises(ValueError, match="divisible by the 8 devices"):
@@ -371,14 +454,28 @@ def test_bad_mesh_tx_batch_and_residual():
 @pytest.mark.slow
 def test_two_processes_give_the_single_process_params(tmp_path):
   out = str(tmp_path / "params.npz")
-  cmd = [sys.executable, "-m", "examples.launch_multiprocess",
-         "--num-processes", "2", "--devices-per-process", "2",
-         "--timeout", "150", "--", sys.executable,
-         os.path.join(_ROOT, "tests", "dp_worker.py"), "--out", out,
-         "--exchange", "all_gather"]
+  cmd = [
+    sys.executable,
+    "-m",
+    "examples.launch_multiprocess",
+    "--num-processes",
+    "2",
+    "--devices-per-process",
+    "2",
+    "--timeout",
+    "150",
+    "--",
+    sys.executable,
+    os.path.join(_ROOT, "tests", "dp_worker.py"),
+    "--out",
+    out,
+    "--exchange",
+    "all_gather",
+  ]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  done = subprocess.run(cmd, cwd=_ROOT, env=env, capture_output=True,
-                        text=True, timeout=180)
+  done = subprocess.run(
+    cmd, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=180
+  )
   assert done.returncode == 0, done.stdout + done.stderr
   assert "[1] process 1 of 2: 4 devices, done" in done.stdout
   got = dict(np.load(out))
@@ -391,22 +488,45 @@ def test_two_processes_give_the_single_process_params(tmp_path):
 
 #: DGC's recipe on the replicated shared support with bf16 values: every
 #: piece of state (velocity, residual, count, support) crosses processes.
-_DGC = {"support": "replicated", "values": "bfloat16", "momentum": 0.9,
-        "clip_norm": 1.0, "warmup_steps": 1, "chunk_size": 16}
+_DGC = {
+  "support": "replicated",
+  "values": "bfloat16",
+  "momentum": 0.9,
+  "clip_norm": 1.0,
+  "warmup_steps": 1,
+  "chunk_size": 16,
+}
 
 
 @pytest.mark.slow
 def test_two_processes_with_dgc_give_the_eight_device_params(tmp_path):
   out = str(tmp_path / "params.npz")
-  cmd = [sys.executable, "-m", "examples.launch_multiprocess",
-         "--num-processes", "2", "--devices-per-process", "4",
-         "--timeout", "150", "--", sys.executable,
-         os.path.join(_ROOT, "tests", "dp_worker.py"), "--out", out,
-         "--exchange", "shared_support", "--fraction", "0.05",
-         "--options", json.dumps(_DGC)]
+  cmd = [
+    sys.executable,
+    "-m",
+    "examples.launch_multiprocess",
+    "--num-processes",
+    "2",
+    "--devices-per-process",
+    "4",
+    "--timeout",
+    "150",
+    "--",
+    sys.executable,
+    os.path.join(_ROOT, "tests", "dp_worker.py"),
+    "--out",
+    out,
+    "--exchange",
+    "shared_support",
+    "--fraction",
+    "0.05",
+    "--options",
+    json.dumps(_DGC),
+  ]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  done = subprocess.run(cmd, cwd=_ROOT, env=env, capture_output=True,
-                        text=True, timeout=180)
+  done = subprocess.run(
+    cmd, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=180
+  )
   assert done.returncode == 0, done.stdout + done.stderr
   assert "[1] process 1 of 2: 8 devices, done" in done.stdout
   got = dict(np.load(out))

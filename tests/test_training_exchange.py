@@ -44,7 +44,7 @@ def _sharded(*specs):
   return tuple(out)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _exchange_fn(with_residual, kw_items):
   kw = dict(kw_items)
 
@@ -53,35 +53,51 @@ def _exchange_fn(with_residual, kw_items):
     r = None if r is None else jax.tree.map(lambda x: x[0], r)
     mean, r = training.sparse_pmean(g, r, AXIS, **kw)
     return mean, None if r is None else jax.tree.map(lambda x: x[None], r)
+
   spec = P(AXIS) if with_residual else None
-  fn = jax.shard_map(f, mesh=_mesh(), in_specs=(P(AXIS), spec),
-                     out_specs=(P(), spec))
+  fn = jax.shard_map(
+    f, mesh=_mesh(), in_specs=(P(AXIS), spec), out_specs=(P(), spec)
+  )
   return jax.jit(fn, in_shardings=_sharded(P(AXIS), spec))
 
 
 def _exchange(grads_w, residual_w, **kw):
   """One exchange of per-replica inputs ``(W, ...)``: ``(mean, residual_w)``
-  (one compiled program per set of options and shapes)."""
+  (one compiled program per set of options and shapes).
+  """
   fn = _exchange_fn(residual_w is not None, tuple(sorted(kw.items())))
   mean, res = fn(grads_w, residual_w)
-  return (jax.tree.map(np.asarray, mean),
-          None if res is None else jax.tree.map(np.asarray, res))
+  return (
+    jax.tree.map(np.asarray, mean),
+    None if res is None else jax.tree.map(np.asarray, res),
+  )
 
 
 def _state_steps(grads_tw, state, **kw):
   """``T`` stateful exchanges; ``grads_tw`` a list of ``(W, n)`` arrays of one
-  leaf. Returns the means and the final state (per-replica fields stacked)."""
+  leaf. Returns the means and the final state (per-replica fields stacked).
+  """
+
   def f(g, st):
-    st = st._replace(residual=jax.tree.map(lambda x: x[0], st.residual),
-                     velocity=jax.tree.map(lambda x: x[0], st.velocity))
+    st = st._replace(
+      residual=jax.tree.map(lambda x: x[0], st.residual),
+      velocity=jax.tree.map(lambda x: x[0], st.velocity),
+    )
     mean, st = training.sparse_pmean([g[0]], st, AXIS, **kw)
     return mean[0], st._replace(
-        residual=jax.tree.map(lambda x: x[None], st.residual),
-        velocity=jax.tree.map(lambda x: x[None], st.velocity))
-  step = jax.jit(jax.shard_map(f, mesh=_mesh(), in_specs=(P(AXIS),
-                                                          _STATE_SPEC),
-                               out_specs=(P(), _STATE_SPEC)),
-                 in_shardings=_sharded(P(AXIS), _STATE_SPEC))
+      residual=jax.tree.map(lambda x: x[None], st.residual),
+      velocity=jax.tree.map(lambda x: x[None], st.velocity),
+    )
+
+  step = jax.jit(
+    jax.shard_map(
+      f,
+      mesh=_mesh(),
+      in_specs=(P(AXIS), _STATE_SPEC),
+      out_specs=(P(), _STATE_SPEC),
+    ),
+    in_shardings=_sharded(P(AXIS), _STATE_SPEC),
+  )
   means = []
   for g in grads_tw:
     mean, state = step(jnp.asarray(g), state)
@@ -119,8 +135,9 @@ def _int8(v):
 def test_all_gather_sends_each_replicas_top_k(values):
   a = _randn(W, 300)
   r = _randn(W, 300, seed=1) * 0.1
-  mean, res = _exchange({"a": a}, {"a": r}, exchange="all_gather",
-                        fraction=0.05, values=values)
+  mean, res = _exchange(
+    {"a": a}, {"a": r}, exchange="all_gather", fraction=0.05, values=values
+  )
   acc = a + r
   k = math.ceil(0.05 * 300)
   decode = {"float32": lambda v: v, "bfloat16": _bf16, "int8": _int8}[values]
@@ -134,47 +151,53 @@ def test_all_gather_sends_each_replicas_top_k(values):
   np.testing.assert_allclose(res["a"], want_res, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("fraction,index", [(0.001, "uint16"),
-                                            (0.2, "bitmap")])
+@pytest.mark.parametrize("fraction,index", [(0.001, "uint16"), (0.2, "bitmap")])
 def test_compact_indices_are_block_local_top_k(fraction, index):
-  n = compression.BLOCK + 4000   # Two blocks; the second is zero-padded.
+  n = compression.BLOCK + 4000  # Two blocks; the second is zero-padded.
   a = _randn(W, n)
   layout = compression._Layout(n, fraction, "bfloat16", "compact")  # pylint: disable=protected-access
   assert layout.index == index and layout.blocks == 2
-  mean, res = _exchange([a], [np.zeros_like(a)], exchange="all_gather",
-                        fraction=fraction, values="bfloat16",
-                        indices="compact")
+  mean, res = _exchange(
+    [a],
+    [np.zeros_like(a)],
+    exchange="all_gather",
+    fraction=fraction,
+    values="bfloat16",
+    indices="compact",
+  )
   kb = math.ceil(fraction * compression.BLOCK)
   want = np.zeros(n, np.float32)
   for i in range(W):
     for start in (0, compression.BLOCK):
-      block = a[i, start:start + compression.BLOCK]
+      block = a[i, start : start + compression.BLOCK]
       idx = start + _topk(block, kb)
       want[idx] += _bf16(a[i, idx])
-      np.testing.assert_allclose(res[0][i, idx], a[i, idx] - _bf16(a[i, idx]),
-                                 atol=1e-7)
+      np.testing.assert_allclose(
+        res[0][i, idx], a[i, idx] - _bf16(a[i, idx]), atol=1e-7
+      )
   np.testing.assert_allclose(mean[0], want / W, atol=1e-6)
   # Payload: 2-byte values + (2-byte indices | bitmap), one gather of bytes.
-  bytes_per_replica = 2 * 2 * kb + (4 * kb if index == "uint16"
-                                    else 2 * compression.BLOCK // 8)
+  bytes_per_replica = 2 * 2 * kb + (
+    4 * kb if index == "uint16" else 2 * compression.BLOCK // 8
+  )
   assert layout.nbytes == bytes_per_replica
 
 
 def _chunk_ref(leaves, c):
   rows = []
-  for x in leaves:   # (W, n) each.
+  for x in leaves:  # (W, n) each.
     m = -(-x.shape[1] // c)
-    rows.append(np.pad(x, ((0, 0), (0, m * c - x.shape[1]))).reshape(
-        W, m, c))
-  return np.concatenate(rows, axis=1)   # (W, M, c)
+    rows.append(np.pad(x, ((0, 0), (0, m * c - x.shape[1]))).reshape(W, m, c))
+  return np.concatenate(rows, axis=1)  # (W, M, c)
 
 
 def _unchunk_ref(matrix, sizes, c):
   out, off = [], 0
   for n in sizes:
     m = -(-n // c)
-    out.append(matrix[..., off:off + m, :].reshape(matrix.shape[:-2] + (-1,))[
-        ..., :n])
+    out.append(
+      matrix[..., off : off + m, :].reshape(matrix.shape[:-2] + (-1,))[..., :n]
+    )
     off += m
   return out
 
@@ -182,18 +205,24 @@ def _unchunk_ref(matrix, sizes, c):
 def test_shared_support_sends_the_chunks_of_largest_summed_norm():
   sizes, c, f = [200, 40, 130], 16, 0.2
   leaves = [_randn(W, n, seed=s) * (s + 1) for s, n in enumerate(sizes)]
-  mean, res = _exchange(leaves, [np.zeros_like(x) for x in leaves],
-                        exchange="shared_support", fraction=f, chunk_size=c)
+  mean, res = _exchange(
+    leaves,
+    [np.zeros_like(x) for x in leaves],
+    exchange="shared_support",
+    fraction=f,
+    chunk_size=c,
+  )
   m = _chunk_ref(leaves, c)
-  scores = np.sum(m ** 2, axis=(0, 2))
+  scores = np.sum(m**2, axis=(0, 2))
   kc = math.ceil(f * m.shape[1])
   chosen = np.argsort(-scores, kind="stable")[:kc]
   want = np.zeros(m.shape[1:], np.float32)
   want[chosen] = m[:, chosen].mean(0)
   keep = m.copy()
   keep[:, chosen] = 0
-  for got, w, r, rr in zip(mean, _unchunk_ref(want, sizes, c), res,
-                           _unchunk_ref(keep, sizes, c)):
+  for got, w, r, rr in zip(
+    mean, _unchunk_ref(want, sizes, c), res, _unchunk_ref(keep, sizes, c)
+  ):
     np.testing.assert_allclose(got, w, atol=1e-6)
     np.testing.assert_allclose(r, rr, atol=1e-6)
   # Not the smallest: the largest-norm chunk is sent, the smallest is not.
@@ -202,12 +231,21 @@ def test_shared_support_sends_the_chunks_of_largest_summed_norm():
 
 def test_replicated_support_follows_rate_times_age():
   n, c, f, steps = 256, 16, 0.125, 6
-  grads = [_randn(W, n, seed=t) * np.linspace(0.1, 3, n, dtype=np.float32)
-           for t in range(steps)]
-  state = _stacked_state(n, exchange="shared_support", support="replicated",
-                         chunk_size=c)
-  means, state = _state_steps(grads, state, exchange="shared_support",
-                              fraction=f, chunk_size=c, support="replicated")
+  grads = [
+    _randn(W, n, seed=t) * np.linspace(0.1, 3, n, dtype=np.float32)
+    for t in range(steps)
+  ]
+  state = _stacked_state(
+    n, exchange="shared_support", support="replicated", chunk_size=c
+  )
+  means, state = _state_steps(
+    grads,
+    state,
+    exchange="shared_support",
+    fraction=f,
+    chunk_size=c,
+    support="replicated",
+  )
   m_chunks, kc = n // c, math.ceil(f * n // c)
   rate, age = np.full(m_chunks, np.inf), np.ones(m_chunks)
   res = np.zeros((W, n), np.float32)
@@ -231,10 +269,12 @@ def test_replicated_support_follows_rate_times_age():
 # -- DGC's techniques ------------------------------------------------------------
 
 
-def _dgc_reference(grads, fraction, momentum=0.0, mask=True, clip=None,
-                   warmup_steps=0):
+def _dgc_reference(
+  grads, fraction, momentum=0.0, mask=True, clip=None, warmup_steps=0
+):
   """Lin et al. 2018, Algorithm 1 (+ 3.2 clipping, 3.3 warm-up), all-gather
-  top-k per replica."""
+  top-k per replica.
+  """
   n = grads[0].shape[1]
   u, v, means = np.zeros((W, n)), np.zeros((W, n)), []
   stages = compression.warmup_fractions(fraction)
@@ -248,8 +288,11 @@ def _dgc_reference(grads, fraction, momentum=0.0, mask=True, clip=None,
       v = v + u
     else:
       v = v + g
-    f = stages[min(t // warmup_steps, len(stages) - 1)] if warmup_steps \
-        else fraction
+    f = (
+      stages[min(t // warmup_steps, len(stages) - 1)]
+      if warmup_steps
+      else fraction
+    )
     k = compression.num_kept(n, f)
     sent = np.zeros((W, n), bool)
     for i in range(W):
@@ -261,23 +304,34 @@ def _dgc_reference(grads, fraction, momentum=0.0, mask=True, clip=None,
   return means, v, u
 
 
-@pytest.mark.parametrize("kw", [
-    dict(momentum=0.9),                                     # correction
-    dict(momentum=0.9, mask_momentum=False),                # no masking
-    dict(clip_norm=0.5),                                    # local clipping
-    dict(warmup_steps=2),                                   # warm-up
-    dict(momentum=0.8, clip_norm=1.0, warmup_steps=1),      # all of them
-], ids=["momentum", "no-mask", "clip", "warmup", "all"])
+@pytest.mark.parametrize(
+  "kw",
+  [
+    dict(momentum=0.9),  # correction
+    dict(momentum=0.9, mask_momentum=False),  # no masking
+    dict(clip_norm=0.5),  # local clipping
+    dict(warmup_steps=2),  # warm-up
+    dict(momentum=0.8, clip_norm=1.0, warmup_steps=1),  # all of them
+  ],
+  ids=["momentum", "no-mask", "clip", "warmup", "all"],
+)
 def test_dgc_technique_matches_numpy_reference(kw):
   n, f, steps = 512, 0.002, 7
   grads = [_randn(W, n, seed=10 + t) for t in range(steps)]
-  state = _stacked_state(n, exchange="all_gather",
-                         momentum=kw.get("momentum", 0.0))
-  means, state = _state_steps(grads, state, exchange="all_gather",
-                              fraction=f, **kw)
+  state = _stacked_state(
+    n, exchange="all_gather", momentum=kw.get("momentum", 0.0)
+  )
+  means, state = _state_steps(
+    grads, state, exchange="all_gather", fraction=f, **kw
+  )
   want, v, u = _dgc_reference(
-      grads, f, kw.get("momentum", 0.0), kw.get("mask_momentum", True),
-      kw.get("clip_norm"), kw.get("warmup_steps", 0))
+    grads,
+    f,
+    kw.get("momentum", 0.0),
+    kw.get("mask_momentum", True),
+    kw.get("clip_norm"),
+    kw.get("warmup_steps", 0),
+  )
   for got, w in zip(means, want):
     np.testing.assert_allclose(got, w, atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(np.asarray(state.residual[0]), v, atol=1e-5)
@@ -289,15 +343,22 @@ def test_dgc_technique_matches_numpy_reference(kw):
 
 
 def test_warmup_fractions_are_dgcs_schedule():
-  assert compression.warmup_fractions(0.001) == (0.25, 0.0625, 0.015625,
-                                                 0.00390625, 0.001)
+  assert compression.warmup_fractions(0.001) == (
+    0.25,
+    0.0625,
+    0.015625,
+    0.00390625,
+    0.001,
+  )
   assert compression.warmup_fractions(0.3) == (0.3,)
 
 
 # -- error feedback and PowerSGD ---------------------------------------------------
 
 
-@pytest.mark.parametrize("kw,atol", [
+@pytest.mark.parametrize(
+  "kw,atol",
+  [
     (dict(exchange="all_gather", values="bfloat16", indices="compact"), 1e-5),
     (dict(exchange="all_gather", values="int8", indices="compact"), 1e-5),
     (dict(exchange="all_gather", values="float32", indices="int32"), 1e-5),
@@ -307,15 +368,30 @@ def test_warmup_fractions_are_dgcs_schedule():
     (dict(exchange="powersgd", rank=1), 1e-5),
     # The matrices' error is fed back exactly (every replica subtracts the
     # same approximation); the 1-D leaf's bfloat16 sum rounds.
-    (dict(exchange="powersgd", rank=2, values="bfloat16"), {"m": 1e-5,
-                                                            "v": 3e-2}),
-], ids=["ag-bf16-compact", "ag-int8-compact", "ag-fp32", "ss-fp32", "ss-bf16",
-        "powersgd", "powersgd-bf16"])
+    (
+      dict(exchange="powersgd", rank=2, values="bfloat16"),
+      {"m": 1e-5, "v": 3e-2},
+    ),
+  ],
+  ids=[
+    "ag-bf16-compact",
+    "ag-int8-compact",
+    "ag-fp32",
+    "ss-fp32",
+    "ss-bf16",
+    "powersgd",
+    "powersgd-bf16",
+  ],
+)
 def test_error_feedback_loses_nothing(kw, atol):
-  grads = [{"m": _randn(W, 12, 10, seed=t), "v": _randn(W, 10, seed=50 + t)}
-           for t in range(4)]
-  res = {"m": np.zeros((W, 12, 10), np.float32),
-         "v": np.zeros((W, 10), np.float32)}
+  grads = [
+    {"m": _randn(W, 12, 10, seed=t), "v": _randn(W, 10, seed=50 + t)}
+    for t in range(4)
+  ]
+  res = {
+    "m": np.zeros((W, 12, 10), np.float32),
+    "v": np.zeros((W, 10), np.float32),
+  }
   applied = {"m": 0.0, "v": 0.0}
   for g in grads:
     mean, res = _exchange(g, res, fraction=0.1, chunk_size=8, **kw)
@@ -328,10 +404,14 @@ def test_error_feedback_loses_nothing(kw, atol):
 
 
 def test_powersgd_full_rank_equals_dense():
-  g = {"m": _randn(W, 6, 5), "t": _randn(W, 2, 3, 4, seed=1),
-       "v": _randn(W, 7, seed=2)}
-  mean, res = _exchange(g, jax.tree.map(np.zeros_like, g),
-                        exchange="powersgd", rank=5)
+  g = {
+    "m": _randn(W, 6, 5),
+    "t": _randn(W, 2, 3, 4, seed=1),
+    "v": _randn(W, 7, seed=2),
+  }
+  mean, res = _exchange(
+    g, jax.tree.map(np.zeros_like, g), exchange="powersgd", rank=5
+  )
   for k in g:
     np.testing.assert_allclose(mean[k], g[k].mean(0), atol=2e-5)
     # Matrices keep their deviation from the shared approximation; the 1-D
@@ -352,11 +432,18 @@ def test_powersgd_rank_one_matches_numpy_and_warm_starts():
     st = st._replace(residual=jax.tree.map(lambda x: x[0], st.residual))
     mean, st = training.sparse_pmean([g[0]], st, AXIS, exchange="powersgd")
     return mean[0], st._replace(
-        residual=jax.tree.map(lambda x: x[None], st.residual))
-  step = jax.jit(jax.shard_map(f, mesh=_mesh(),
-                               in_specs=(P(AXIS), _STATE_SPEC),
-                               out_specs=(P(), _STATE_SPEC)),
-                 in_shardings=_sharded(P(AXIS), _STATE_SPEC))
+      residual=jax.tree.map(lambda x: x[None], st.residual)
+    )
+
+  step = jax.jit(
+    jax.shard_map(
+      f,
+      mesh=_mesh(),
+      in_specs=(P(AXIS), _STATE_SPEC),
+      out_specs=(P(), _STATE_SPEC),
+    ),
+    in_shardings=_sharded(P(AXIS), _STATE_SPEC),
+  )
   res = np.zeros((W, n, m))
   for g in grads:
     mean, state = step(jnp.asarray(g.reshape(W, n, m)), state)
@@ -367,8 +454,9 @@ def test_powersgd_rank_one_matches_numpy_and_warm_starts():
     approx = p_hat @ q.T
     np.testing.assert_allclose(np.asarray(mean), approx, atol=1e-4)
     res = mats - approx
-  np.testing.assert_allclose(np.abs(np.asarray(state.q[0])), np.abs(q),
-                             atol=1e-4)
+  np.testing.assert_allclose(
+    np.abs(np.asarray(state.q[0])), np.abs(q), atol=1e-4
+  )
 
 
 # -- the compiled step's collectives ---------------------------------------------
@@ -376,37 +464,58 @@ def test_powersgd_rank_one_matches_numpy_and_warm_starts():
 
 def _big_params():
   rng = np.random.default_rng(0)
-  return {"w1": (rng.normal(size=(16, 512)) / 4).astype(np.float32),
-          "b1": np.zeros(512, np.float32),
-          "w2": (rng.normal(size=(512, 4)) / 20).astype(np.float32)}
+  return {
+    "w1": (rng.normal(size=(16, 512)) / 4).astype(np.float32),
+    "b1": np.zeros(512, np.float32),
+    "w2": (rng.normal(size=(512, 4)) / 20).astype(np.float32),
+  }
 
 
 def _big_loss(params, batch):
   x, y = batch
-  return jnp.mean((jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"]
-                   - y) ** 2)
+  return jnp.mean(
+    (jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] - y) ** 2
+  )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [
-    dict(exchange="all_gather", fraction=0.01, values="bfloat16",
-         indices="compact"),
-    dict(exchange="shared_support", fraction=0.05, support="replicated",
-         values="bfloat16"),
+@pytest.mark.parametrize(
+  "kw",
+  [
+    dict(
+      exchange="all_gather", fraction=0.01, values="bfloat16", indices="compact"
+    ),
+    dict(
+      exchange="shared_support",
+      fraction=0.05,
+      support="replicated",
+      values="bfloat16",
+    ),
     dict(exchange="powersgd", rank=1),
-], ids=["all_gather", "shared_support", "powersgd"])
+  ],
+  ids=["all_gather", "shared_support", "powersgd"],
+)
 def test_compiled_step_sends_only_its_payload(kw):
   dp = training.data_parallel_step(_big_loss, optax.sgd(0.1), _mesh(), **kw)
-  batch = (jax.ShapeDtypeStruct((32, 16), jnp.float32),
-           jax.ShapeDtypeStruct((32, 4), jnp.float32))
+  batch = (
+    jax.ShapeDtypeStruct((32, 16), jnp.float32),
+    jax.ShapeDtypeStruct((32, 4), jnp.float32),
+  )
   compiled = dp.lower(dp.init(_big_params()), batch).compile(
-      compiler_options={"xla_backend_optimization_level": 0})
+    compiler_options={"xla_backend_optimization_level": 0}
+  )
   ops = training.collective_ops(compiled)
   sizes = {k: v.size for k, v in _big_params().items()}
   if kw["exchange"] == "all_gather":
-    payload = W * sum(compression._Layout(s, 0.01, "bfloat16",  # pylint: disable=protected-access
-                                          "compact").nbytes
-                      for s in sizes.values())
+    payload = W * sum(
+      compression._Layout(
+        s,
+        0.01,
+        "bfloat16",  # pylint: disable=protected-access
+        "compact",
+      ).nbytes
+      for s in sizes.values()
+    )
     assert ("all-gather", payload, W) in ops
   elif kw["exchange"] == "shared_support":
     # bf16 as uint16: an all-to-all of the shares, an all-gather of the sums.
@@ -414,30 +523,41 @@ def test_compiled_step_sends_only_its_payload(kw):
     payload = 2 * 64 * compression.num_kept(rows, 0.05)
     assert ("all-to-all", payload, W) in ops
     assert ("all-gather", payload, W) in ops
-  else:   # P's (with the dense bias), then Q's, float32.
+  else:  # P's (with the dense bias), then Q's, float32.
     payload = 4 * (16 * 1 + 512 * 1 + 512)
     assert ("all-reduce", payload, W) in ops
-    q_bytes = next(b for k, b, _ in ops if b in (4 * (512 + 4),
-                                                  4 * (512 + 4) + 4))  # +loss
+    q_bytes = next(
+      b for k, b, _ in ops if b in (4 * (512 + 4), 4 * (512 + 4) + 4)
+    )  # +loss
     assert q_bytes and ("all-reduce", q_bytes, W) in ops
   others = [op for op in ops if op[1] != payload]
   if kw["exchange"] == "powersgd":
     others.remove(("all-reduce", q_bytes, W))
   assert len(others) < len(ops)
   assert all(size <= 1024 for _, size, _ in others), ops
-  bound = 0.2 if kw["exchange"] == "powersgd" else 0.1   # Bias sent dense.
+  bound = 0.2 if kw["exchange"] == "powersgd" else 0.1  # Bias sent dense.
   assert sum(s for _, s, _ in ops) < bound * 4 * sum(sizes.values())
 
 
 @pytest.mark.slow
 def test_dgc_step_trains_and_keeps_the_state_per_replica():
   rng = np.random.default_rng(3)
-  batch = (rng.normal(size=(32, 16)).astype(np.float32),
-           rng.normal(size=(32, 4)).astype(np.float32))
+  batch = (
+    rng.normal(size=(32, 16)).astype(np.float32),
+    rng.normal(size=(32, 4)).astype(np.float32),
+  )
   dp = training.data_parallel_step(
-      _big_loss, optax.sgd(0.05), _mesh(), exchange="shared_support",
-      fraction=0.05, support="replicated", values="bfloat16", momentum=0.9,
-      clip_norm=1.0, warmup_steps=2)
+    _big_loss,
+    optax.sgd(0.05),
+    _mesh(),
+    exchange="shared_support",
+    fraction=0.05,
+    support="replicated",
+    values="bfloat16",
+    momentum=0.9,
+    clip_norm=1.0,
+    warmup_steps=2,
+  )
   state = dp.init(_big_params())
   losses = []
   for _ in range(8):
@@ -451,7 +571,9 @@ def test_dgc_step_trains_and_keeps_the_state_per_replica():
 # -- bad arguments -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kw,match", [
+@pytest.mark.parametrize(
+  "kw,match",
+  [
     (dict(values="int4"), "`values` must be one of"),
     (dict(indices="int16"), "`indices` must be one of"),
     (dict(support="random"), "`support` must be one of"),
@@ -463,7 +585,8 @@ def test_dgc_step_trains_and_keeps_the_state_per_replica():
     (dict(clip_norm=0.0), "`clip_norm` must be None or a float > 0"),
     (dict(warmup_steps=-1), "`warmup_steps` must be an int >= 0"),
     (dict(momentum=0.9), "keep state: pass an ExchangeState"),
-])
+  ],
+)
 def test_bad_exchange_arguments(kw, match):
   with pytest.raises(ValueError, match=match):
     training.sparse_pmean([jnp.ones(4)], [jnp.zeros(4)], AXIS, **kw)

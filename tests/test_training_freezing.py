@@ -11,10 +11,14 @@ from grpo_optax import training
 
 def _params(d=8, num_layers=4, seed=0):
   k = jax.random.split(jax.random.key(seed), num_layers + 2)
-  return {"embed": jax.random.normal(k[0], (5, d)),
-          "layers": [{"w": jax.random.normal(k[i + 1], (d, d)) / np.sqrt(d),
-                      "b": jnp.zeros(d)} for i in range(num_layers)],
-          "head": jax.random.normal(k[-1], (d, 3)) / np.sqrt(d)}
+  return {
+    "embed": jax.random.normal(k[0], (5, d)),
+    "layers": [
+      {"w": jax.random.normal(k[i + 1], (d, d)) / np.sqrt(d), "b": jnp.zeros(d)}
+      for i in range(num_layers)
+    ],
+    "head": jax.random.normal(k[-1], (d, 3)) / np.sqrt(d),
+  }
 
 
 def _loss(params, batch):
@@ -36,10 +40,14 @@ def _copy(tree):
 
 def _bottom_frozen(params, num_frozen):
   """Embedding and the first ``num_frozen`` layers frozen."""
-  return {"embed": True,
-          "layers": [{"w": i < num_frozen, "b": i < num_frozen}
-                     for i in range(len(params["layers"]))],
-          "head": False}
+  return {
+    "embed": True,
+    "layers": [
+      {"w": i < num_frozen, "b": i < num_frozen}
+      for i in range(len(params["layers"]))
+    ],
+    "head": False,
+  }
 
 
 def test_frozen_bit_identical_and_others_like_restricted_plain_step():
@@ -53,9 +61,11 @@ def test_frozen_bit_identical_and_others_like_restricted_plain_step():
   trainable = {"layers": params["layers"][2:], "head": params["head"]}
 
   def restricted_loss(tp, batch):
-    full = {"embed": params["embed"],
-            "layers": params["layers"][:2] + tp["layers"],
-            "head": tp["head"]}
+    full = {
+      "embed": params["embed"],
+      "layers": params["layers"][:2] + tp["layers"],
+      "head": tp["head"],
+    }
     return _loss(full, batch)
 
   plain = training.train_step(restricted_loss, tx)
@@ -68,8 +78,10 @@ def test_frozen_bit_identical_and_others_like_restricted_plain_step():
   for i in range(2):
     np.testing.assert_array_equal(p["layers"][i]["w"], params["layers"][i]["w"])
     np.testing.assert_array_equal(p["layers"][i]["b"], params["layers"][i]["b"])
-  for a, b in zip(jax.tree.leaves({"layers": p["layers"][2:],
-                                   "head": p["head"]}), jax.tree.leaves(tp)):
+  for a, b in zip(
+    jax.tree.leaves({"layers": p["layers"][2:], "head": p["head"]}),
+    jax.tree.leaves(tp),
+  ):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   assert not np.allclose(p["head"], params["head"])
 
@@ -85,8 +97,11 @@ def test_freezing_lowers_compiled_flops():
     if k == 0:
       mask["embed"] = False
     fn = fs.compiled(mask, params)
-    flops.append(fn.lower(params, tx.init(params), batch).compile()
-                 .cost_analysis()["flops"])
+    flops.append(
+      fn.lower(params, tx.init(params), batch)
+      .compile()
+      .cost_analysis()["flops"]
+    )
   assert flops[1] < 0.8 * flops[0]
 
 

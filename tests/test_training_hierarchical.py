@@ -13,9 +13,9 @@ def _params(d=8, f=16, seed=0):
   k = iter(jax.random.split(jax.random.key(seed), 16))
   n = lambda *s: jax.random.normal(next(k), s) / np.sqrt(s[0])
   layer = lambda: {
-      "attn": {"query": n(d, d), "out": n(d, d)},
-      "ln": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
-      "mlp": {"fc1": n(d, f), "fc2": n(f, d)},
+    "attn": {"query": n(d, d), "out": n(d, d)},
+    "ln": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
+    "mlp": {"fc1": n(d, f), "fc2": n(f, d)},
   }
   return {"embed": n(5, d), "layers": [layer(), layer()], "head": n(d, 3)}
 
@@ -45,8 +45,9 @@ def _copy(tree):
 
 
 def _core(tree_mask, tree):
-  return [x for x, m in zip(jax.tree.leaves(tree), jax.tree.leaves(tree_mask))
-          if m]
+  return [
+    x for x, m in zip(jax.tree.leaves(tree), jax.tree.leaves(tree_mask)) if m
+  ]
 
 
 def test_default_rule_labels():
@@ -62,8 +63,9 @@ def test_default_rule_labels():
 @pytest.mark.parametrize("approx", ["last", "momentum", "zero"])
 def test_skip_gradient_is_exact_for_core(approx):
   params = _params()
-  hs = training.hierarchical_step(_loss, optax.sgd(0.1), approx=approx,
-                                  refresh_every=3)
+  hs = training.hierarchical_step(
+    _loss, optax.sgd(0.1), approx=approx, refresh_every=3
+  )
   h = hs.init(params)
   _, g_full, h = hs.gradient(params, h, _batch(1), refresh=True)
   batch = _batch(2)
@@ -73,9 +75,11 @@ def test_skip_gradient_is_exact_for_core(approx):
   for a, b in zip(_core(mask, g_skip), _core(mask, exact)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   noncore = jax.tree.map(lambda m: not m, mask)
-  expected = {"last": _core(noncore, g_full),
-              "momentum": _core(noncore, g_full),  # one refresh: m/(1-b) = g
-              "zero": [jnp.zeros_like(x) for x in _core(noncore, g_full)]}
+  expected = {
+    "last": _core(noncore, g_full),
+    "momentum": _core(noncore, g_full),  # one refresh: m/(1-b) = g
+    "zero": [jnp.zeros_like(x) for x in _core(noncore, g_full)],
+  }
   for a, b in zip(_core(noncore, g_skip), expected[approx]):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   assert int(h2.count) == 1
@@ -84,18 +88,22 @@ def test_skip_gradient_is_exact_for_core(approx):
 def test_momentum_is_bias_corrected_ema():
   params = _params()
   beta = 0.5
-  hs = training.hierarchical_step(_loss, optax.sgd(0.1), approx="momentum",
-                                  momentum=beta)
+  hs = training.hierarchical_step(
+    _loss, optax.sgd(0.1), approx="momentum", momentum=beta
+  )
   h = hs.init(params)
   _, g1, h = hs.gradient(params, h, _batch(1), refresh=True)
   _, g2, h = hs.gradient(params, h, _batch(2), refresh=True)
   _, g, _ = hs.gradient(params, h, _batch(3), refresh=False)
   want = jax.tree.map(
-      lambda a, b: (beta * (1 - beta) * a + (1 - beta) * b) / (1 - beta**2),
-      g1, g2)
+    lambda a, b: (beta * (1 - beta) * a + (1 - beta) * b) / (1 - beta**2),
+    g1,
+    g2,
+  )
   np.testing.assert_allclose(g["head"], want["head"], rtol=1e-6)
-  np.testing.assert_allclose(g["layers"][1]["mlp"]["fc2"],
-                             want["layers"][1]["mlp"]["fc2"], rtol=1e-6)
+  np.testing.assert_allclose(
+    g["layers"][1]["mlp"]["fc2"], want["layers"][1]["mlp"]["fc2"], rtol=1e-6
+  )
 
 
 def test_refresh_every_one_equals_plain_step():
@@ -152,21 +160,27 @@ def test_custom_rules_regex_callable_tree():
   params = _params()
   by_regex = training.hierarchical_step(_loss, optax.sgd(0.1), is_core="mlp")
   by_call = training.hierarchical_step(
-      _loss, optax.sgd(0.1), is_core=lambda path, leaf: "mlp" in path)
+    _loss, optax.sgd(0.1), is_core=lambda path, leaf: "mlp" in path
+  )
   tree = jax.tree_util.tree_map_with_path(
-      lambda p, _: "mlp" in jax.tree_util.keystr(p), params)
+    lambda p, _: "mlp" in jax.tree_util.keystr(p), params
+  )
   by_tree = training.hierarchical_step(_loss, optax.sgd(0.1), is_core=tree)
-  masks = [jax.tree.leaves(h.core_mask(params))
-           for h in (by_regex, by_call, by_tree)]
+  masks = [
+    jax.tree.leaves(h.core_mask(params)) for h in (by_regex, by_call, by_tree)
+  ]
   assert masks[0] == masks[1] == masks[2] and sum(masks[0]) == 4
 
 
-@pytest.mark.parametrize("kwargs, name", [
+@pytest.mark.parametrize(
+  "kwargs, name",
+  [
     (dict(approx="ema"), "approx"),
     (dict(refresh_every=0), "refresh_every"),
     (dict(refresh_every=2.5), "refresh_every"),
     (dict(momentum=1.0), "momentum"),
-])
+  ],
+)
 def test_bad_arguments(kwargs, name):
   with pytest.raises(ValueError, match=name):
     training.hierarchical_step(_loss, optax.sgd(0.1), **kwargs)
@@ -184,7 +198,6 @@ def test_nnx_model():
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   class Block(nnx.Module):
-
     def __init__(self, rngs):
       self.attn = nnx.Linear(4, 4, rngs=rngs)
       self.mlp = nnx.Linear(4, 4, rngs=rngs)
@@ -194,7 +207,7 @@ def test_nnx_model():
       return x + self.mlp(x)
 
   model = Block(nnx.Rngs(0))
-  pm = training.split_model(model, lambda m, b: jnp.mean((m(b[0]) - b[1])**2))
+  pm = training.split_model(model, lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2))
   hs = training.hierarchical_step(pm.loss_fn, optax.sgd(0.1), refresh_every=2)
   mask = hs.core_mask(pm.params)
   assert [bool(m) for m in jax.tree.leaves(mask)] == [True, True, False, False]
@@ -205,4 +218,4 @@ def test_nnx_model():
   for t in range(4):
     params, opt_state, h, _ = hs.step(params, opt_state, h, batch, t)
   pm.update_model(params)
-  assert float(jnp.mean((model(batch[0]) - batch[1])**2)) < float(l0)
+  assert float(jnp.mean((model(batch[0]) - batch[1]) ** 2)) < float(l0)

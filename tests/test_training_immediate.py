@@ -24,12 +24,14 @@ def _head(p, h, batch):
 def _params(d=8, f=16, num_layers=3, seed=0):
   k = jax.random.split(jax.random.key(seed), 4)
   return training.StackedParams(
-      embed={"w": jax.random.normal(k[0], (4, d)) / 2},
-      layers={"w1": jax.random.normal(k[1], (num_layers, d, f)) / np.sqrt(d),
-              "b1": jnp.zeros((num_layers, f)),
-              "w2": jax.random.normal(k[2], (num_layers, f, d)) / f},
-      head={"w": jax.random.normal(k[3], (d, 2)) / np.sqrt(d),
-            "b": jnp.zeros(2)})
+    embed={"w": jax.random.normal(k[0], (4, d)) / 2},
+    layers={
+      "w1": jax.random.normal(k[1], (num_layers, d, f)) / np.sqrt(d),
+      "b1": jnp.zeros((num_layers, f)),
+      "w2": jax.random.normal(k[2], (num_layers, f, d)) / f,
+    },
+    head={"w": jax.random.normal(k[3], (d, 2)) / np.sqrt(d), "b": jnp.zeros(2)},
+  )
 
 
 def _batch(seed, n=8):
@@ -43,8 +45,12 @@ def _copy(tree):
 
 def _peak(compiled):
   m = compiled.memory_analysis()
-  return (m.temp_size_in_bytes + m.argument_size_in_bytes
-          + m.output_size_in_bytes - m.alias_size_in_bytes)
+  return (
+    m.temp_size_in_bytes
+    + m.argument_size_in_bytes
+    + m.output_size_in_bytes
+    - m.alias_size_in_bytes
+  )
 
 
 def test_donated_step_deletes_inputs_and_lowers_peak():
@@ -65,9 +71,16 @@ def test_donated_step_deletes_inputs_and_lowers_peak():
   del new_params, new_state
 
 
-@pytest.mark.parametrize("tx", [optax.sgd(0.1), optax.sgd(0.1, momentum=0.9),
-                                optax.adam(1e-2), optax.adamw(1e-2)],
-                         ids=["sgd", "momentum", "adam", "adamw"])
+@pytest.mark.parametrize(
+  "tx",
+  [
+    optax.sgd(0.1),
+    optax.sgd(0.1, momentum=0.9),
+    optax.adam(1e-2),
+    optax.adamw(1e-2),
+  ],
+  ids=["sgd", "momentum", "adam", "adamw"],
+)
 def test_layerwise_matches_plain_step(tx):
   fused = training.layerwise_train_step(_embed, _layer, _head, tx)
   plain = training.train_step(fused.loss_fn, tx)
@@ -83,8 +96,9 @@ def test_layerwise_matches_plain_step(tx):
 
 def test_layerwise_grad_norm_and_previous_step_clipping():
   lr, c = 0.1, 1e-3
-  fused = training.layerwise_train_step(_embed, _layer, _head, optax.sgd(lr),
-                                        max_norm=c)
+  fused = training.layerwise_train_step(
+    _embed, _layer, _head, optax.sgd(lr), max_norm=c
+  )
   loss_fn = fused.loss_fn
   params = _params()
   p, s = _copy(params), fused.init(params)
@@ -96,8 +110,9 @@ def test_layerwise_grad_norm_and_previous_step_clipping():
   want = jax.tree.map(lambda x, g: x - lr * g, params, g1)
   # Step 2: scaled by min(1, c / n1) from the previous step.
   g2 = jax.grad(loss_fn)(want, _batch(1))
-  want = jax.tree.map(lambda x, g: x - lr * g * min(1.0, c / float(n1)), want,
-                      g2)
+  want = jax.tree.map(
+    lambda x, g: x - lr * g * min(1.0, c / float(n1)), want, g2
+  )
   p, s, _ = fused.step(p, s, _batch(1))
   for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -110,20 +125,24 @@ def test_layerwise_donates_and_lowers_peak_memory():
   plain = training.train_step(fused.loss_fn, tx)
   params = _params(d=64, f=256, num_layers=8)
   batch = _batch(0, n=2)
-  peak_fused = _peak(fused.step.lower(params, fused.init(params),
-                                      batch).compile())
+  peak_fused = _peak(
+    fused.step.lower(params, fused.init(params), batch).compile()
+  )
   peak_plain = _peak(plain.lower(params, tx.init(params), batch).compile())
   assert peak_fused < 0.85 * peak_plain
   state = fused.init(params)
   fused.step(params, state, batch)
-  assert all(x.is_deleted() for x in jax.tree.leaves(
-      (params, state.embed, state.layers, state.head)))
+  assert all(
+    x.is_deleted()
+    for x in jax.tree.leaves((params, state.embed, state.layers, state.head))
+  )
 
 
 def test_layerwise_bad_input():
   with pytest.raises(ValueError, match="max_norm"):
-    training.layerwise_train_step(_embed, _layer, _head, optax.sgd(0.1),
-                                  max_norm=0.0)
+    training.layerwise_train_step(
+      _embed, _layer, _head, optax.sgd(0.1), max_norm=0.0
+    )
   fused = training.layerwise_train_step(_embed, _layer, _head, optax.sgd(0.1))
   with pytest.raises(TypeError, match="StackedParams"):
     fused.init(dict(_params()._asdict()))
@@ -132,8 +151,11 @@ def test_layerwise_bad_input():
 @pytest.mark.slow  # four compiled steps
 def test_layerwise_with_quantized_state():
   import grpo_optax  # pylint: disable=g-import-not-at-top
-  make = lambda **f: optax.chain(grpo_optax.scale_by_nesterov_adam_rms(
-      adam_weight=1.0, **f), optax.scale(-1e-2))
+
+  make = lambda **f: optax.chain(
+    grpo_optax.scale_by_nesterov_adam_rms(adam_weight=1.0, **f),
+    optax.scale(-1e-2),
+  )
   tx = make(mu_format="int8", nu_format="uint8")
   fused = training.layerwise_train_step(_embed, _layer, _head, tx)
   plain = training.train_step(fused.loss_fn, tx)
@@ -151,9 +173,11 @@ def test_layerwise_with_quantized_state():
   # Layer l's slice of the stacked state is that layer's own encoding.
   layer0 = jax.tree.map(lambda x: x[0], s1.layers[0].nu)
   np.testing.assert_allclose(
-      grpo_optax.quantization.tree_decode("uint8", layer0)["w2"],
-      grpo_optax.quantization.tree_decode("uint8", s2[0].nu).layers["w2"][0],
-      rtol=1e-4, atol=1e-9)
+    grpo_optax.quantization.tree_decode("uint8", layer0)["w2"],
+    grpo_optax.quantization.tree_decode("uint8", s2[0].nu).layers["w2"][0],
+    rtol=1e-4,
+    atol=1e-9,
+  )
   # Memory: 8-bit state + layer-wise update below the fp32 layer-wise step.
   params = _params(d=64, f=256, num_layers=8)
   batch = _batch(0, n=2)

@@ -11,9 +11,14 @@ import grpo_optax
 
 def _seq(steps=30, seed=2):
   rng = np.random.default_rng(seed)
-  return [{"w": (rng.normal(size=(4, 5)) * 2 + 0.5).astype(np.float32),
-           "b": rng.normal(size=(5,)).astype(np.float32),
-           "s": np.float32(rng.normal())} for _ in range(steps)]
+  return [
+    {
+      "w": (rng.normal(size=(4, 5)) * 2 + 0.5).astype(np.float32),
+      "b": rng.normal(size=(5,)).astype(np.float32),
+      "s": np.float32(rng.normal()),
+    }
+    for _ in range(steps)
+  ]
 
 
 def _run(tx, grads, **extra):
@@ -69,8 +74,9 @@ def _numpy_reference(grads, coef, d, eps, reduction, normalize):
 @pytest.mark.parametrize("normalize", [False, True])
 def test_matches_numpy_reference(reduction, normalize):
   grads = _seq()
-  tx = grpo_optax.scale_by_variance_lr(coef=0.7, decay=0.9, eps=1e-8,
-                                       reduction=reduction, normalize=normalize)
+  tx = grpo_optax.scale_by_variance_lr(
+    coef=0.7, decay=0.9, eps=1e-8, reduction=reduction, normalize=normalize
+  )
   outs, state = _run(tx, grads)
   ref, variances = _numpy_reference(grads, 0.7, 0.9, 1e-8, reduction, normalize)
   for u, r in zip(outs, ref):
@@ -80,15 +86,19 @@ def test_matches_numpy_reference(reduction, normalize):
   # of the variance and of the rate 1 / (1 + coef * variance).
   var = np.concatenate([np.ravel(v) for v in variances[-1].values()])
   np.testing.assert_allclose(state.variance, var.mean(), rtol=1e-4)
-  np.testing.assert_allclose(state.lr_scale, np.mean(1 / (1 + 0.7 * var)),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    state.lr_scale, np.mean(1 / (1 + 0.7 * var)), rtol=1e-5
+  )
   assert float(state.lr_scale) < 0.9  # the variance is not negligible
 
 
 def test_grad_variance_extra_arg_replaces_estimate():
   grads = _seq(3)
-  gv = {"w": np.full((4, 5), 2.0, np.float32), "b": np.zeros(5, np.float32),
-        "s": np.float32(4.0)}
+  gv = {
+    "w": np.full((4, 5), 2.0, np.float32),
+    "b": np.zeros(5, np.float32),
+    "s": np.float32(4.0),
+  }
   tx = grpo_optax.scale_by_variance_lr(coef=0.5, reduction="element")
   outs, _ = _run(tx, grads, grad_variance=gv)
   for u, g in zip(outs, grads):
@@ -107,11 +117,18 @@ def test_grad_variance_structure_mismatch():
 def test_high_variance_shrinks_low_variance_keeps():
   rng = np.random.default_rng(0)
   tx = grpo_optax.scale_by_variance_lr(coef=0.1, decay=0.9)
-  noisy = [{"a": rng.normal(size=100).astype(np.float32) * 10,
-            "b": np.full(100, 10.0, np.float32)} for _ in range(50)]
+  noisy = [
+    {
+      "a": rng.normal(size=100).astype(np.float32) * 10,
+      "b": np.full(100, 10.0, np.float32),
+    }
+    for _ in range(50)
+  ]
   outs, _ = _run(tx, noisy)
   last = outs[-1]
-  np.testing.assert_allclose(last["b"], noisy[-1]["b"], rtol=1e-5)  # no variance
+  np.testing.assert_allclose(
+    last["b"], noisy[-1]["b"], rtol=1e-5
+  )  # no variance
   ratio = np.abs(last["a"]).sum() / np.abs(noisy[-1]["a"]).sum()
   assert ratio < 0.2  # variance ~100: rate ~1/11
 
@@ -129,9 +146,15 @@ def test_nan_gradient_is_reported_not_hidden():
   jax.tree.map(np.testing.assert_array_equal, s.inner_state, tx.init(g))
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(coef=-0.1), "coef"), (dict(decay=1.0), "decay"),
-    (dict(decay=-0.5), "decay"), (dict(eps=-1.0), "eps")])
+@pytest.mark.parametrize(
+  "kwargs,name",
+  [
+    (dict(coef=-0.1), "coef"),
+    (dict(decay=1.0), "decay"),
+    (dict(decay=-0.5), "decay"),
+    (dict(eps=-1.0), "eps"),
+  ],
+)
 def test_bad_input(kwargs, name):
   with pytest.raises(ValueError, match=name + r" must be in"):
     grpo_optax.scale_by_variance_lr(**kwargs)

@@ -17,24 +17,50 @@ from examples.common import flags
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   """Parses and checks the flags (``argv=None`` reads ``sys.argv``)."""
   parser = argparse.ArgumentParser(
-      prog="python -m examples.bert_mlm",
-      description="Masked-LM training of a small BERT with Flax NNX and the "
-      "GRPO optax chain.",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    prog="python -m examples.bert_mlm",
+    description="Masked-LM training of a small BERT with Flax NNX and the "
+    "GRPO optax chain.",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
   data = parser.add_argument_group("data")
-  data.add_argument("--text-files", nargs="+", default=None, metavar="FILE",
-                    help="Local UTF-8 text files to train on (default: "
-                    "CPython's pydoc_data topics, shipped with Python).")
-  data.add_argument("--vocab-size", type=int, default=4096,
-                    help="Byte-level BPE vocabulary size (trained at start).")
-  data.add_argument("--seq-len", type=int, default=64,
-                    help="Tokens per sequence (also the model's max_len).")
-  data.add_argument("--mask-rate", type=float, default=0.15,
-                    help="Fraction of positions predicted per sequence.")
-  data.add_argument("--max-train-examples", type=int, default=None,
-                    help="Use only the first N training sequences.")
-  data.add_argument("--max-eval-examples", type=int, default=None,
-                    help="Evaluate on the first N held-out sequences only.")
+  data.add_argument(
+    "--text-files",
+    nargs="+",
+    default=None,
+    metavar="FILE",
+    help="Local UTF-8 text files to train on (default: "
+    "CPython's pydoc_data topics, shipped with Python).",
+  )
+  data.add_argument(
+    "--vocab-size",
+    type=int,
+    default=4096,
+    help="Byte-level BPE vocabulary size (trained at start).",
+  )
+  data.add_argument(
+    "--seq-len",
+    type=int,
+    default=64,
+    help="Tokens per sequence (also the model's max_len).",
+  )
+  data.add_argument(
+    "--mask-rate",
+    type=float,
+    default=0.15,
+    help="Fraction of positions predicted per sequence.",
+  )
+  data.add_argument(
+    "--max-train-examples",
+    type=int,
+    default=None,
+    help="Use only the first N training sequences.",
+  )
+  data.add_argument(
+    "--max-eval-examples",
+    type=int,
+    default=None,
+    help="Evaluate on the first N held-out sequences only.",
+  )
   data.add_argument("--eval-batch-size", type=int, default=64)
   model = parser.add_argument_group("model")
   model.add_argument("--hidden", type=int, default=128)
@@ -42,27 +68,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   model.add_argument("--num-heads", type=int, default=2)
   model.add_argument("--ffn", type=int, default=512)
   model.add_argument("--dropout", type=float, default=0.0)
-  model.add_argument("--head-entropy", action=argparse.BooleanOptionalAction,
-                     default=True,
-                     help="grpo with importance weighting only (e.g. "
-                     "--grpo-importance true): pass per-head attention "
-                     "entropies to the optimizer (head_entropy=...).")
+  model.add_argument(
+    "--head-entropy",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="grpo with importance weighting only (e.g. "
+    "--grpo-importance true): pass per-head attention "
+    "entropies to the optimizer (head_entropy=...).",
+  )
   flags.add_training_flags(parser, steps=600, batch_size=32, eval_every=200)
   args = parser.parse_args(argv)
   flags.check_common_args(parser, args)
   for path in args.text_files or ():
     if not os.path.isfile(path):
       parser.error(f"--text-files: no such file: {path}")
-  positive = ("vocab_size", "seq_len", "hidden", "num_layers", "num_heads",
-              "ffn", "eval_batch_size")
+  positive = (
+    "vocab_size",
+    "seq_len",
+    "hidden",
+    "num_layers",
+    "num_heads",
+    "ffn",
+    "eval_batch_size",
+  )
   for name in positive:
     if getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be >= 1")
   if args.vocab_size < 260:
     parser.error("--vocab-size must be >= 260 (256 bytes + special tokens)")
   if args.hidden % args.num_heads:
-    parser.error(f"--hidden ({args.hidden}) must be divisible by --num-heads "
-                 f"({args.num_heads})")
+    parser.error(
+      f"--hidden ({args.hidden}) must be divisible by --num-heads "
+      f"({args.num_heads})"
+    )
   if not 0 < args.mask_rate <= 1:
     parser.error(f"--mask-rate must be in (0, 1], got {args.mask_rate}")
   if not 0 <= args.dropout < 1:
@@ -77,4 +115,5 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
   """Parses flags, trains, evaluates; returns the metrics dict."""
   from examples.bert_mlm import train  # pylint: disable=g-import-not-at-top
+
   return train.train_and_evaluate(parse_args(argv))

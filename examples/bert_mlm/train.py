@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import functools
+import os
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,6 @@ import tqdm
 from flax import nnx
 
 import grpo_optax
-
 from examples.bert_mlm import input_pipeline
 from examples.bert_mlm import models
 from examples.common import data as data_lib
@@ -28,8 +28,13 @@ from examples.common import parallel
 from examples.common import workdir as workdir_lib
 
 # Peak learning rates per optimizer (cosine schedule with 5% warm-up).
-DEFAULT_LRS = {"grpo": 2e-3, "adam": 2e-3, "adamw": 2e-3, "nadam": 2e-3,
-               "sgd": 0.3}
+DEFAULT_LRS = {
+  "grpo": 2e-3,
+  "adam": 2e-3,
+  "adamw": 2e-3,
+  "nadam": 2e-3,
+  "sgd": 0.3,
+}
 # Held-out masks are the same for every run (any seed, any optimizer).
 _EVAL_MASK_SEED = 12345
 _ATTENTION_PROJECTIONS = ("query", "key", "value", "out")
@@ -38,13 +43,18 @@ _ATTENTION_PROJECTIONS = ("query", "key", "value", "out")
 def uses_head_entropy(args: argparse.Namespace) -> bool:
   """Whether the step passes per-head entropies to the optimizer: grpo with
   importance weighting on (the only stage that reads ``head_entropy=``) and
-  ``--head-entropy``."""
-  return (args.optimizer == "grpo" and args.head_entropy
-          and bool(optim.grpo_knob(args, "importance")))
+  ``--head-entropy``.
+  """
+  return (
+    args.optimizer == "grpo"
+    and args.head_entropy
+    and bool(optim.grpo_knob(args, "importance"))
+  )
 
 
-def head_entropy_tree(grads: nnx.State,
-                      entropies: Sequence[jax.Array]) -> nnx.State:
+def head_entropy_tree(
+  grads: nnx.State, entropies: Sequence[jax.Array]
+) -> nnx.State:
   """The ``head_entropy`` extra argument of ``grpo_optax.grpo``.
 
   A tree shaped like the gradients (pure arrays, as the optimizer sees them)
@@ -65,7 +75,8 @@ def head_entropy_tree(grads: nnx.State,
       return None
     layer, projection, kind = keys[-4], keys[-2], keys[-1]
     if projection not in _ATTENTION_PROJECTIONS or (
-        projection == "out" and kind == "bias"):
+      projection == "out" and kind == "bias"
+    ):
       return None
     # The head axis: 0 for out's kernel and for q/k/v biases, 1 for q/k/v
     # kernels (D, H, Dh).
@@ -81,10 +92,15 @@ def _mlm_metrics(logits, targets):
   return loss, correct
 
 
-def make_train_step(graphdef: nnx.GraphDef, *, num_predictions: int,
-                    vocab_size: int, pass_head_entropy: bool,
-                    compiler_options: dict | None = None,
-                    replicas: parallel.Replicas | None = None):
+def make_train_step(
+  graphdef: nnx.GraphDef,
+  *,
+  num_predictions: int,
+  vocab_size: int,
+  pass_head_entropy: bool,
+  compiler_options: dict | None = None,
+  replicas: parallel.Replicas | None = None,
+):
   """A jitted step ``(state, residual, tokens, key) -> (state, residual,
   metrics)``.
 
@@ -103,74 +119,96 @@ def make_train_step(graphdef: nnx.GraphDef, *, num_predictions: int,
       key = replicas.fold_key(key)
     mask_key, dropout_key = jax.random.split(key)
     inputs, positions, targets = input_pipeline.mask_tokens(
-        mask_key, tokens, num_predictions=num_predictions,
-        vocab_size=vocab_size)
+      mask_key, tokens, num_predictions=num_predictions, vocab_size=vocab_size
+    )
 
     def loss_fn(model):
       logits, entropies = model.apply_with_entropy(
-          inputs, deterministic=False, dropout_key=dropout_key,
-          positions=positions)
+        inputs,
+        deterministic=False,
+        dropout_key=dropout_key,
+        positions=positions,
+      )
       loss, correct = _mlm_metrics(logits, targets)
       return loss.mean(), (correct.mean(), entropies)
 
     if replicas is None:
       (loss, (accuracy, entropies)), grads = nnx.value_and_grad(
-          loss_fn, has_aux=True)(model)
+        loss_fn, has_aux=True
+      )(model)
     else:
       model_graph, model_state = nnx.split(model)
       local = nnx.merge(model_graph, replicas.varying(model_state))
       (loss, (accuracy, entropies)), grads = nnx.value_and_grad(
-          loss_fn, has_aux=True)(local)
+        loss_fn, has_aux=True
+      )(local)
       grads, residual = replicas.exchange_grads(grads, residual)
       loss, accuracy, entropies = replicas.mean((loss, accuracy, entropies))
-    extra = ({"head_entropy": head_entropy_tree(grads, entropies)}
-             if pass_head_entropy else {})
+    extra = (
+      {"head_entropy": head_entropy_tree(grads, entropies)}
+      if pass_head_entropy
+      else {}
+    )
     updates = optimizer.update(model, grads, **extra)
     metrics = {
-        "loss": loss,
-        "masked_accuracy": accuracy,
-        "grad_norm": optax.tree.norm(grads),
-        "update_norm": optax.tree.norm(updates),
-        "param_norm": optax.tree.norm(nnx.state(model, nnx.Param)),
+      "loss": loss,
+      "masked_accuracy": accuracy,
+      "grad_norm": optax.tree.norm(grads),
+      "update_norm": optax.tree.norm(updates),
+      "param_norm": optax.tree.norm(nnx.state(model, nnx.Param)),
     }
     for i, entropy in enumerate(entropies):
       for h in range(entropy.shape[0]):
         metrics[f"head_entropy/layer{i}_head{h}"] = entropy[h]
     return nnx.state((model, optimizer)), residual, metrics
 
-  return parallel.jit_train_step(train_step, replicas, num_batch_args=1,
-                                 compiler_options=compiler_options)
+  return parallel.jit_train_step(
+    train_step, replicas, num_batch_args=1, compiler_options=compiler_options
+  )
 
 
-def make_eval_step(graphdef: nnx.GraphDef, *, num_predictions: int,
-                   vocab_size: int, compiler_options: dict | None = None):
+def make_eval_step(
+  graphdef: nnx.GraphDef,
+  *,
+  num_predictions: int,
+  vocab_size: int,
+  compiler_options: dict | None = None,
+):
   """A jitted ``(state, tokens, mask, key) -> (loss sum, correct sum, count)``."""
 
   @functools.partial(jax.jit, compiler_options=compiler_options)
   def eval_step(state, tokens, mask, key):
     model, _ = nnx.merge(graphdef, state)
     inputs, positions, targets = input_pipeline.mask_tokens(
-        key, tokens, num_predictions=num_predictions, vocab_size=vocab_size)
-    logits, _ = model.apply_with_entropy(inputs, deterministic=True,
-                                         positions=positions)
+      key, tokens, num_predictions=num_predictions, vocab_size=vocab_size
+    )
+    logits, _ = model.apply_with_entropy(
+      inputs, deterministic=True, positions=positions
+    )
     loss, correct = _mlm_metrics(logits, targets)
     weight = mask[:, None].astype(jnp.float32)
-    return (jnp.sum(loss * weight), jnp.sum(correct * weight),
-            jnp.sum(jnp.broadcast_to(weight, loss.shape)))
+    return (
+      jnp.sum(loss * weight),
+      jnp.sum(correct * weight),
+      jnp.sum(jnp.broadcast_to(weight, loss.shape)),
+    )
 
   return eval_step
 
 
-def evaluate(eval_step, state, sequences: np.ndarray,
-             batch_size: int) -> tuple[float, float]:
+def evaluate(
+  eval_step, state, sequences: np.ndarray, batch_size: int
+) -> tuple[float, float]:
   """Held-out MLM loss (nats per masked token) and masked-token accuracy."""
   base = jax.random.key(_EVAL_MASK_SEED)
   loss_sum = correct_sum = count = 0.0
   num = len(sequences)
-  for i, (idx, mask) in enumerate(data_lib.eval_batches(
-      num, min(batch_size, num))):
-    loss, correct, n = eval_step(state, sequences[idx], mask,
-                                 jax.random.fold_in(base, i))
+  for i, (idx, mask) in enumerate(
+    data_lib.eval_batches(num, min(batch_size, num))
+  ):
+    loss, correct, n = eval_step(
+      state, sequences[idx], mask, jax.random.fold_in(base, i)
+    )
     loss_sum += float(loss)
     correct_sum += float(correct)
     count += float(n)
@@ -182,49 +220,79 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   parallel.initialize(args)  # Before any JAX work (multi-process runs).
   start_time = time.time()
   quiet = args.quiet or not parallel.is_primary()
-  workdir = workdir_lib.Workdir(args.workdir, resume=args.resume,
-                                checkpoint_every=args.checkpoint_every,
-                                config=vars(args))
+  workdir = workdir_lib.Workdir(
+    args.workdir,
+    resume=args.resume,
+    checkpoint_every=args.checkpoint_every,
+    config=vars(args),
+  )
   data = input_pipeline.load(
-      text_files=args.text_files, vocab_size=args.vocab_size,
-      seq_len=args.seq_len, max_train=args.max_train_examples,
-      max_eval=args.max_eval_examples)
+    text_files=args.text_files,
+    vocab_size=args.vocab_size,
+    seq_len=args.seq_len,
+    max_train=args.max_train_examples,
+    max_eval=args.max_eval_examples,
+  )
   config = models.BertConfig(
-      vocab_size=data.vocab_size, max_len=args.seq_len, hidden=args.hidden,
-      num_layers=args.num_layers, num_heads=args.num_heads, ffn=args.ffn,
-      dropout=args.dropout)
+    vocab_size=data.vocab_size,
+    max_len=args.seq_len,
+    hidden=args.hidden,
+    num_layers=args.num_layers,
+    num_heads=args.num_heads,
+    ffn=args.ffn,
+    dropout=args.dropout,
+  )
   init_key, step_base = data_lib.init_and_step_keys(args.seed)
   model, optimizer = optim.create_model_and_optimizer(
-      lambda rngs: models.BertMLM(config, rngs=rngs),
-      optim.make_optimizer(args, DEFAULT_LRS), init_key)
+    lambda rngs: models.BertMLM(config, rngs=rngs),
+    optim.make_optimizer(args, DEFAULT_LRS),
+    init_key,
+  )
   replicas = parallel.make_replicas(args)
-  start_step, history = (0, workdir_lib.new_history()) if replicas else (
-      workdir.restore(model, optimizer))
+  start_step, history = (
+    (0, workdir_lib.new_history())
+    if replicas
+    else (workdir.restore(model, optimizer))
+  )
 
-  num_predictions = input_pipeline.num_predictions(args.seq_len,
-                                                   args.mask_rate)
+  num_predictions = input_pipeline.num_predictions(args.seq_len, args.mask_rate)
   graphdef, state = nnx.split((model, optimizer))
   residual = outer = None
   if replicas is not None:
     start_step, history, (state, residual, outer) = parallel.place(
-        workdir, replicas, model, state)
+      workdir, replicas, model, state
+    )
   if start_step > args.steps:
-    raise ValueError(f"the checkpoint in {args.workdir} is at step "
-                     f"{start_step}, beyond --steps {args.steps}.")
+    raise ValueError(
+      f"the checkpoint in {args.workdir} is at step "
+      f"{start_step}, beyond --steps {args.steps}."
+    )
   train_step = make_train_step(
-      graphdef, num_predictions=num_predictions, vocab_size=data.vocab_size,
-      pass_head_entropy=uses_head_entropy(args),
-      compiler_options=flags.compiler_options(args), replicas=replicas)
-  eval_step = make_eval_step(graphdef, num_predictions=num_predictions,
-                             vocab_size=data.vocab_size,
-                             compiler_options=flags.compiler_options(args))
+    graphdef,
+    num_predictions=num_predictions,
+    vocab_size=data.vocab_size,
+    pass_head_entropy=uses_head_entropy(args),
+    compiler_options=flags.compiler_options(args),
+    replicas=replicas,
+  )
+  eval_step = make_eval_step(
+    graphdef,
+    num_predictions=num_predictions,
+    vocab_size=data.vocab_size,
+    compiler_options=flags.compiler_options(args),
+  )
   if replicas is not None and replicas.local_steps:
     replicas.build_outer_sync(graphdef, flags.compiler_options(args))
   num_train = len(data.train)
 
-  bar = tqdm.tqdm(range(start_step, args.steps), initial=start_step,
-                  total=args.steps, disable=quiet, desc="train",
-                  dynamic_ncols=True)
+  bar = tqdm.tqdm(
+    range(start_step, args.steps),
+    initial=start_step,
+    total=args.steps,
+    disable=quiet,
+    desc="train",
+    dynamic_ncols=True,
+  )
   tick = time.time()
   for step in bar:
     idx = data_lib.batch_indices(args.seed, step, args.batch_size, num_train)
@@ -238,28 +306,38 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     metrics = jax.device_get(metrics)
     history["train_loss"].append([done, float(metrics["loss"])])
     now = time.time()
-    bar.set_postfix(loss=f"{metrics['loss']:.4f}",
-                    ex_per_s=f"{args.batch_size / (now - tick):.0f}")
+    bar.set_postfix(
+      loss=f"{metrics['loss']:.4f}",
+      ex_per_s=f"{args.batch_size / (now - tick):.0f}",
+    )
     tick = now
-    workdir.writer.write_scalars(done, {f"train/{k}": v
-                                        for k, v in metrics.items()})
+    workdir.writer.write_scalars(
+      done, {f"train/{k}": v for k, v in metrics.items()}
+    )
 
     last = done == args.steps
     evaluated = last or (args.eval_every and done % args.eval_every == 0)
     if evaluated:
       eval_loss, eval_acc = evaluate(
-          eval_step, parallel.single_device(state, replicas, outer),
-          data.eval, args.eval_batch_size)
+        eval_step,
+        parallel.single_device(state, replicas, outer),
+        data.eval,
+        args.eval_batch_size,
+      )
       history["eval"].append([done, eval_loss, eval_acc])
-      workdir.writer.write_scalars(done, {"eval/mlm_loss": eval_loss,
-                                          "eval/masked_accuracy": eval_acc})
+      workdir.writer.write_scalars(
+        done, {"eval/mlm_loss": eval_loss, "eval/masked_accuracy": eval_acc}
+      )
       if not quiet:
-        bar.write(f"step {done}: held-out MLM loss {eval_loss:.4f} "
-                  f"(unigram entropy {data.unigram_entropy:.4f}), masked "
-                  f"accuracy {eval_acc:.4f}")
+        bar.write(
+          f"step {done}: held-out MLM loss {eval_loss:.4f} "
+          f"(unigram entropy {data.unigram_entropy:.4f}), masked "
+          f"accuracy {eval_acc:.4f}"
+        )
     if workdir.should_checkpoint(done, evaluated=evaluated, last=last):
-      nnx.update((model, optimizer),
-                 parallel.single_device(state, replicas, outer))
+      nnx.update(
+        (model, optimizer), parallel.single_device(state, replicas, outer)
+      )
       workdir.log_optimizer(done, optimizer)
       if replicas is None:
         workdir.save(done, model, optimizer, history)
@@ -271,45 +349,53 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   nnx.update((model, optimizer), state)
   if not history["eval"] or history["eval"][-1][0] != args.steps:
     # Resumed from a finished run: evaluate the restored model once.
-    history["eval"].append([args.steps, *evaluate(
-        eval_step, state, data.eval, args.eval_batch_size)])
+    history["eval"].append(
+      [args.steps, *evaluate(eval_step, state, data.eval, args.eval_batch_size)]
+    )
   _, eval_loss, eval_acc = history["eval"][-1]
   recent = [loss for _, loss in history["train_loss"][-10:]]
   summary = {
-      "example": "bert_mlm",
-      "corpus": "files" if args.text_files else "pydoc_data.topics",
-      "config": dataclasses.asdict(config),
-      "num_params": int(sum(x.size for x in jax.tree.leaves(
-          nnx.state(model, nnx.Param)))),
-      "optimizer": args.optimizer,
-      "learning_rate": optim.peak_learning_rate(args, DEFAULT_LRS),
-      "steps": args.steps,
-      "batch_size": args.batch_size,
-      "seed": args.seed,
-      "data_parallel": replicas and replicas.describe(),
-      "num_train_sequences": num_train,
-      "num_eval_sequences": len(data.eval),
-      "train_loss": float(np.mean(recent)) if recent else None,
-      "eval_loss": eval_loss,
-      "eval_masked_accuracy": eval_acc,
-      "unigram_entropy": data.unigram_entropy,
-      "below_unigram_entropy": eval_loss < data.unigram_entropy,
-      "wall_time_s": time.time() - start_time,
-      "resumed_from_step": start_step,
-      "optimizer_diagnostics": metrics_lib.scalar_optimizer_diagnostics(
-          optimizer),
-      "train_loss_history": history["train_loss"],
-      "eval_history": history["eval"],
-      "args": vars(args),
+    "example": "bert_mlm",
+    "corpus": "files" if args.text_files else "pydoc_data.topics",
+    "config": dataclasses.asdict(config),
+    "num_params": int(
+      sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    ),
+    "optimizer": args.optimizer,
+    "learning_rate": optim.peak_learning_rate(args, DEFAULT_LRS),
+    "steps": args.steps,
+    "batch_size": args.batch_size,
+    "seed": args.seed,
+    "data_parallel": replicas and replicas.describe(),
+    "num_train_sequences": num_train,
+    "num_eval_sequences": len(data.eval),
+    "train_loss": float(np.mean(recent)) if recent else None,
+    "eval_loss": eval_loss,
+    "eval_masked_accuracy": eval_acc,
+    "unigram_entropy": data.unigram_entropy,
+    "below_unigram_entropy": eval_loss < data.unigram_entropy,
+    "wall_time_s": time.time() - start_time,
+    "resumed_from_step": start_step,
+    "optimizer_diagnostics": metrics_lib.scalar_optimizer_diagnostics(
+      optimizer
+    ),
+    "train_loss_history": history["train_loss"],
+    "eval_history": history["eval"],
+    "args": vars(args),
   }
   if args.workdir:
     data.tokenizer.save(os.path.join(args.workdir, "tokenizer.json"))
-  workdir.finish(summary, title=f"BERT MLM, {args.optimizer}",
-                 reference=data.unigram_entropy,
-                 reference_label="unigram entropy")
+  workdir.finish(
+    summary,
+    title=f"BERT MLM, {args.optimizer}",
+    reference=data.unigram_entropy,
+    reference_label="unigram entropy",
+  )
   if not quiet:
-    print(f"held-out MLM loss {eval_loss:.4f} nats vs unigram entropy "
-          f"{data.unigram_entropy:.4f} nats; masked accuracy {eval_acc:.4f}; "
-          f"{args.steps} steps of {args.optimizer}, "
-          f"{summary['wall_time_s']:.1f} s")
+    print(
+      f"held-out MLM loss {eval_loss:.4f} nats vs unigram entropy "
+      f"{data.unigram_entropy:.4f} nats; masked accuracy {eval_acc:.4f}; "
+      f"{args.steps} steps of {args.optimizer}, "
+      f"{summary['wall_time_s']:.1f} s"
+    )
   return summary

@@ -11,8 +11,9 @@ import jax
 import numpy as np
 
 
-def batch_indices(seed: int, step: int, batch_size: int,
-                  num_examples: int) -> np.ndarray:
+def batch_indices(
+  seed: int, step: int, batch_size: int, num_examples: int
+) -> np.ndarray:
   """Example indices of batch ``step``: epochs of seeded permutations, concatenated.
 
   Position ``p = step * batch_size + i`` of the stream is example
@@ -50,7 +51,8 @@ def step_key(step_base: jax.Array, step: int) -> jax.Array:
 
 def eval_batches(num_examples: int, batch_size: int):
   """Yields ``(indices, mask)`` covering ``range(num_examples)`` in fixed-size
-  batches; the last batch is padded with index 0 and masked out."""
+  batches; the last batch is padded with index 0 and masked out.
+  """
   for start in range(0, num_examples, batch_size):
     idx = np.arange(start, start + batch_size)
     mask = idx < num_examples

@@ -5,45 +5,73 @@ from __future__ import annotations
 import argparse
 
 import grpo_optax
-
 from examples.common import optim
 from examples.common import parallel
 
 
-def add_training_flags(parser: argparse.ArgumentParser, *, steps: int,
-                       batch_size: int, eval_every: int,
-                       default_optimizer: str = "grpo",
-                       data_parallel: bool = True) -> None:
+def add_training_flags(
+  parser: argparse.ArgumentParser,
+  *,
+  steps: int,
+  batch_size: int,
+  eval_every: int,
+  default_optimizer: str = "grpo",
+  data_parallel: bool = True,
+) -> None:
   """Adds the loop flags (steps, batch, seed, workdir, ...) and optimizer flags.
 
   With ``data_parallel``, also ``--data-parallel``, ``--exchange`` and the
   multi-process flags of :mod:`examples.common.parallel`.
   """
   group = parser.add_argument_group("training loop")
-  group.add_argument("--steps", type=int, default=steps,
-                     help="Training steps.")
-  group.add_argument("--batch-size", type=int, default=batch_size,
-                     help="Training batch size.")
-  group.add_argument("--seed", type=int, default=0,
-                     help="Seed of the initialisation, the data order and the "
-                     "per-step randomness.")
-  group.add_argument("--workdir", default=None,
-                     help="Where metrics.json, TensorBoard events, checkpoints "
-                     "and the loss plot go. Default: nothing is written.")
-  group.add_argument("--resume", action="store_true",
-                     help="Continue from the last checkpoint in --workdir; the "
-                     "result equals an uninterrupted run.")
-  group.add_argument("--eval-every", type=int, default=eval_every,
-                     help="Evaluate every N steps (0: only at the end).")
-  group.add_argument("--checkpoint-every", type=int, default=0,
-                     help="Checkpoint every N steps (0: at evaluations and at "
-                     "the end). Needs --workdir.")
-  group.add_argument("--quiet", action="store_true",
-                     help="No progress bar and no printed summary.")
-  group.add_argument("--fast-compile", action="store_true",
-                     help="Compile the steps with XLA backend optimisation "
-                     "level 0: about 2x faster compilation, slower steps "
-                     "(smoke tests).")
+  group.add_argument("--steps", type=int, default=steps, help="Training steps.")
+  group.add_argument(
+    "--batch-size", type=int, default=batch_size, help="Training batch size."
+  )
+  group.add_argument(
+    "--seed",
+    type=int,
+    default=0,
+    help="Seed of the initialisation, the data order and the "
+    "per-step randomness.",
+  )
+  group.add_argument(
+    "--workdir",
+    default=None,
+    help="Where metrics.json, TensorBoard events, checkpoints "
+    "and the loss plot go. Default: nothing is written.",
+  )
+  group.add_argument(
+    "--resume",
+    action="store_true",
+    help="Continue from the last checkpoint in --workdir; the "
+    "result equals an uninterrupted run.",
+  )
+  group.add_argument(
+    "--eval-every",
+    type=int,
+    default=eval_every,
+    help="Evaluate every N steps (0: only at the end).",
+  )
+  group.add_argument(
+    "--checkpoint-every",
+    type=int,
+    default=0,
+    help="Checkpoint every N steps (0: at evaluations and at "
+    "the end). Needs --workdir.",
+  )
+  group.add_argument(
+    "--quiet",
+    action="store_true",
+    help="No progress bar and no printed summary.",
+  )
+  group.add_argument(
+    "--fast-compile",
+    action="store_true",
+    help="Compile the steps with XLA backend optimisation "
+    "level 0: about 2x faster compilation, slower steps "
+    "(smoke tests).",
+  )
   optim.add_optimizer_flags(parser, default_optimizer=default_optimizer)
   if data_parallel:
     parallel.add_parallel_flags(parser)
@@ -54,8 +82,9 @@ def compiler_options(args: argparse.Namespace) -> dict[str, int] | None:
   return {"xla_backend_optimization_level": 0} if args.fast_compile else None
 
 
-def check_common_args(parser: argparse.ArgumentParser,
-                      args: argparse.Namespace) -> None:
+def check_common_args(
+  parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> None:
   """Rejects inconsistent common flags with ``parser.error`` (exit code 2)."""
   if args.steps < 1:
     parser.error(f"--steps must be >= 1, got {args.steps}")
@@ -70,14 +99,18 @@ def check_common_args(parser: argparse.ArgumentParser,
   if args.resume and not args.workdir:
     parser.error("--resume needs --workdir (the run to continue)")
   if args.checkpoint_every < 0:
-    parser.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    parser.error(
+      f"--checkpoint-every must be >= 0, got {args.checkpoint_every}"
+    )
   if hasattr(args, "data_parallel"):
     parallel.check_parallel_args(parser, args)
   overrides = optim.grpo_overrides(args)
   if overrides and args.optimizer != "grpo":
-    parser.error(f"--grpo-* flags only apply to --optimizer grpo, got "
-                 f"--optimizer {args.optimizer} with "
-                 f"{', '.join('--grpo-' + k.replace('_', '-') for k in overrides)}")
+    parser.error(
+      f"--grpo-* flags only apply to --optimizer grpo, got "
+      f"--optimizer {args.optimizer} with "
+      f"{', '.join('--grpo-' + k.replace('_', '-') for k in overrides)}"
+    )
   if args.optimizer == "grpo":
     try:  # Surfaces grpo's own validation (fraction range, ...) as a flag error.
       grpo_optax.grpo(1e-3, **{"seed": args.seed, **overrides})

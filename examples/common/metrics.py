@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -15,8 +16,9 @@ import grpo_optax
 
 # grpo_optax.metrics, compiled (eagerly it would dispatch op by op). Guarded:
 # older grpo_optax versions have no metrics().
-_grpo_metrics = (jax.jit(grpo_optax.metrics) if hasattr(grpo_optax, "metrics")
-                 else None)
+_grpo_metrics = (
+  jax.jit(grpo_optax.metrics) if hasattr(grpo_optax, "metrics") else None
+)
 
 
 def optimizer_diagnostics(optimizer: nnx.Optimizer) -> dict[str, np.ndarray]:
@@ -28,16 +30,20 @@ def optimizer_diagnostics(optimizer: nnx.Optimizer) -> dict[str, np.ndarray]:
   if _grpo_metrics is None:
     return {}
   opt_state = nnx.as_pure(optimizer.opt_state)  # The plain optax state.
-  return {name: np.asarray(value)
-          for name, value in _grpo_metrics(opt_state).items()}
+  return {
+    name: np.asarray(value) for name, value in _grpo_metrics(opt_state).items()
+  }
 
 
 def scalar_optimizer_diagnostics(optimizer: nnx.Optimizer) -> dict[str, float]:
   """The scalar entries of :func:`optimizer_diagnostics`, as Python floats
-  (what the examples write into ``metrics.json``)."""
-  return {name: float(value)
-          for name, value in optimizer_diagnostics(optimizer).items()
-          if value.size == 1}
+  (what the examples write into ``metrics.json``).
+  """
+  return {
+    name: float(value)
+    for name, value in optimizer_diagnostics(optimizer).items()
+    if value.size == 1
+  }
 
 
 class MetricsWriter:
@@ -47,6 +53,7 @@ class MetricsWriter:
     self._writer = None
     if workdir:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+
       self._writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
@@ -55,8 +62,9 @@ class MetricsWriter:
     for name, value in scalars.items():
       self._writer.add_scalar(name, float(value), step)
 
-  def write_arrays(self, step: int, arrays: Mapping[str, np.ndarray],
-                   prefix: str = "") -> None:
+  def write_arrays(
+    self, step: int, arrays: Mapping[str, np.ndarray], prefix: str = ""
+  ) -> None:
     """Scalars as scalars, other arrays as histograms."""
     if self._writer is None:
       return

@@ -26,13 +26,14 @@ averaged at the same time.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from grpo_optax import training
@@ -42,52 +43,91 @@ AXIS = "data"
 
 def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
   """``--data-parallel``, ``--exchange``, ``--exchange-fraction`` and the
-  multi-process flags."""
+  multi-process flags.
+  """
   group = parser.add_argument_group(
-      "data parallel", "Split each batch over all devices (one replica per "
-      "device) and exchange gradients; e.g. XLA_FLAGS="
-      "--xla_force_host_platform_device_count=8 on CPU.")
-  group.add_argument("--data-parallel", action="store_true",
-                     help="Train data-parallel over all devices.")
-  group.add_argument("--exchange", choices=training.EXCHANGES, default=None,
-                     help="Gradient exchange between replicas (default: "
-                     "dense). all_gather: each replica's top-k entries; "
-                     "shared_support: top chunks of the summed norms.")
-  group.add_argument("--exchange-fraction", type=float, default=None,
-                     help="Kept fraction of each gradient leaf for the sparse "
-                     "exchanges (default: 0.3).")
-  group.add_argument("--exchange-chunk-size", type=int, default=64,
-                     help="Entries per chunk of the shared_support exchange "
-                     "and of the int8 payload.")
-  group.add_argument("--local-steps", type=int, default=0, metavar="H",
-                     help="Local-step (DiLoCo) training: H steps per replica "
-                     "between outer exchanges of the parameter change (0: "
-                     "exchange gradients every step).")
-  group.add_argument("--outer-lr", type=float, default=0.7,
-                     help="Learning rate of the outer Nesterov SGD "
-                     "(--local-steps).")
-  group.add_argument("--outer-momentum", type=float, default=0.9,
-                     help="Momentum of the outer Nesterov SGD "
-                     "(--local-steps).")
-  group.add_argument("--outer-quantize", choices=("none", "int8"),
-                     default="none",
-                     help="Payload of the outer exchange (--local-steps): "
-                     "float, or int8 with error feedback.")
-  group.add_argument("--distributed", choices=("flags", "auto"),
-                     default="flags",
-                     help="flags: join the processes given by "
-                     "--coordinator-address/--num-processes/--process-id; "
-                     "auto: jax.distributed.initialize() without arguments "
-                     "(SLURM, Kubernetes, Cloud TPU).")
-  group.add_argument("--coordinator-address", default=None,
-                     help="host:port of process 0 for jax.distributed "
-                     "(set by examples/launch_multiprocess.py).")
+    "data parallel",
+    "Split each batch over all devices (one replica per "
+    "device) and exchange gradients; e.g. XLA_FLAGS="
+    "--xla_force_host_platform_device_count=8 on CPU.",
+  )
+  group.add_argument(
+    "--data-parallel",
+    action="store_true",
+    help="Train data-parallel over all devices.",
+  )
+  group.add_argument(
+    "--exchange",
+    choices=training.EXCHANGES,
+    default=None,
+    help="Gradient exchange between replicas (default: "
+    "dense). all_gather: each replica's top-k entries; "
+    "shared_support: top chunks of the summed norms.",
+  )
+  group.add_argument(
+    "--exchange-fraction",
+    type=float,
+    default=None,
+    help="Kept fraction of each gradient leaf for the sparse "
+    "exchanges (default: 0.3).",
+  )
+  group.add_argument(
+    "--exchange-chunk-size",
+    type=int,
+    default=64,
+    help="Entries per chunk of the shared_support exchange "
+    "and of the int8 payload.",
+  )
+  group.add_argument(
+    "--local-steps",
+    type=int,
+    default=0,
+    metavar="H",
+    help="Local-step (DiLoCo) training: H steps per replica "
+    "between outer exchanges of the parameter change (0: "
+    "exchange gradients every step).",
+  )
+  group.add_argument(
+    "--outer-lr",
+    type=float,
+    default=0.7,
+    help="Learning rate of the outer Nesterov SGD (--local-steps).",
+  )
+  group.add_argument(
+    "--outer-momentum",
+    type=float,
+    default=0.9,
+    help="Momentum of the outer Nesterov SGD (--local-steps).",
+  )
+  group.add_argument(
+    "--outer-quantize",
+    choices=("none", "int8"),
+    default="none",
+    help="Payload of the outer exchange (--local-steps): "
+    "float, or int8 with error feedback.",
+  )
+  group.add_argument(
+    "--distributed",
+    choices=("flags", "auto"),
+    default="flags",
+    help="flags: join the processes given by "
+    "--coordinator-address/--num-processes/--process-id; "
+    "auto: jax.distributed.initialize() without arguments "
+    "(SLURM, Kubernetes, Cloud TPU).",
+  )
+  group.add_argument(
+    "--coordinator-address",
+    default=None,
+    help="host:port of process 0 for jax.distributed "
+    "(set by examples/launch_multiprocess.py).",
+  )
   group.add_argument("--num-processes", type=int, default=1)
   group.add_argument("--process-id", type=int, default=0)
 
 
-def check_parallel_args(parser: argparse.ArgumentParser,
-                        args: argparse.Namespace) -> None:
+def check_parallel_args(
+  parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> None:
   """Rejects inconsistent flags; fills in the exchange defaults."""
   if not args.data_parallel:
     for flag in ("exchange", "exchange_fraction"):
@@ -101,28 +141,34 @@ def check_parallel_args(parser: argparse.ArgumentParser,
   if args.exchange_fraction is None:
     args.exchange_fraction = 0.3
   if not 0 < args.exchange_fraction <= 1:
-    parser.error(f"--exchange-fraction must be in (0, 1], got "
-                 f"{args.exchange_fraction}")
+    parser.error(
+      f"--exchange-fraction must be in (0, 1], got {args.exchange_fraction}"
+    )
   if args.num_processes < 1:
     parser.error(f"--num-processes must be >= 1, got {args.num_processes}")
   if not 0 <= args.process_id < args.num_processes:
-    parser.error(f"--process-id must be in [0, {args.num_processes}), got "
-                 f"{args.process_id}")
+    parser.error(
+      f"--process-id must be in [0, {args.num_processes}), got "
+      f"{args.process_id}"
+    )
   if args.num_processes > 1 and not args.coordinator_address:
     parser.error("--num-processes > 1 needs --coordinator-address")
   check_local_step_args(parser, args)
 
 
-def check_local_step_args(parser: argparse.ArgumentParser,
-                          args: argparse.Namespace) -> None:
+def check_local_step_args(
+  parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> None:
   """``--local-steps`` and its outer optimizer; evaluations and checkpoints
-  fall on the outer steps (every ``H`` steps, and the last)."""
+  fall on the outer steps (every ``H`` steps, and the last).
+  """
   h = args.local_steps
   if h < 0:
     parser.error(f"--local-steps must be >= 0, got {h}")
   if args.exchange_chunk_size < 1:
-    parser.error(f"--exchange-chunk-size must be >= 1, got "
-                 f"{args.exchange_chunk_size}")
+    parser.error(
+      f"--exchange-chunk-size must be >= 1, got {args.exchange_chunk_size}"
+    )
   if not h:
     if args.outer_quantize != "none":
       parser.error("--outer-quantize needs --local-steps")
@@ -130,17 +176,21 @@ def check_local_step_args(parser: argparse.ArgumentParser,
   if not args.outer_lr > 0:
     parser.error(f"--outer-lr must be > 0, got {args.outer_lr}")
   if not 0 <= args.outer_momentum < 1:
-    parser.error(f"--outer-momentum must be in [0, 1), got "
-                 f"{args.outer_momentum}")
+    parser.error(
+      f"--outer-momentum must be in [0, 1), got {args.outer_momentum}"
+    )
   if args.outer_quantize == "int8" and args.exchange == "all_gather":
-    parser.error("--outer-quantize int8 needs --exchange dense or "
-                 "shared_support")
+    parser.error(
+      "--outer-quantize int8 needs --exchange dense or shared_support"
+    )
   for flag in ("eval_every", "checkpoint_every"):
     value = getattr(args, flag)
     if value % h:
-      parser.error(f"--{flag.replace('_', '-')} must be a multiple of "
-                   f"--local-steps {h} (evaluations and checkpoints fall on "
-                   f"outer steps), got {value}")
+      parser.error(
+        f"--{flag.replace('_', '-')} must be a multiple of "
+        f"--local-steps {h} (evaluations and checkpoints fall on "
+        f"outer steps), got {value}"
+      )
 
 
 def initialize(args: argparse.Namespace) -> None:
@@ -150,9 +200,11 @@ def initialize(args: argparse.Namespace) -> None:
   if args.distributed == "auto":
     jax.distributed.initialize()
   elif args.num_processes > 1:
-    jax.distributed.initialize(args.coordinator_address,
-                               num_processes=args.num_processes,
-                               process_id=args.process_id)
+    jax.distributed.initialize(
+      args.coordinator_address,
+      num_processes=args.num_processes,
+      process_id=args.process_id,
+    )
 
 
 def is_primary() -> bool:
@@ -180,9 +232,17 @@ class Replicas:
   nothing, and :meth:`outer_sync` runs the outer step every ``H`` steps.
   """
 
-  def __init__(self, exchange: str, fraction: float, *, chunk_size: int = 64,
-               local_steps: int = 0, outer_lr: float = 0.7,
-               outer_momentum: float = 0.9, outer_quantize: str | None = None):
+  def __init__(
+    self,
+    exchange: str,
+    fraction: float,
+    *,
+    chunk_size: int = 64,
+    local_steps: int = 0,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    outer_quantize: str | None = None,
+  ):
     self.exchange, self.fraction = exchange, fraction
     self.chunk_size = chunk_size
     self.local_steps = local_steps
@@ -206,7 +266,7 @@ class Replicas:
   # -- inside the step ------------------------------------------------------
 
   def varying(self, tree: Any) -> Any:
-    if self.local_steps:   # The per-replica state is varying already.
+    if self.local_steps:  # The per-replica state is varying already.
       return tree
     return jax.lax.pcast(tree, AXIS, to="varying")
 
@@ -215,7 +275,8 @@ class Replicas:
 
   def sync_stats(self, tree: Any) -> Any:
     """BatchNorm statistics: averaged every step, or (local steps) kept per
-    replica until the outer step."""
+    replica until the outer step.
+    """
     return tree if self.local_steps else jax.lax.pmean(tree, AXIS)
 
   def fold_key(self, key: jax.Array) -> jax.Array:
@@ -225,7 +286,8 @@ class Replicas:
   def exchange_grads(self, grads: Any, residual: list | None):
     """``(mean gradient, new residual)``; the residual is a list of the
     gradient's leaves, each with a leading replica axis of size 1 here.
-    With local steps: the replica's own gradient, residual untouched."""
+    With local steps: the replica's own gradient, residual untouched.
+    """
     leaves, treedef = jax.tree.flatten(grads)
     if self.local_steps:
       return grads, residual
@@ -233,17 +295,28 @@ class Replicas:
       return treedef.unflatten(jax.lax.pmean(leaves, AXIS)), residual
     local = [r[0] for r in residual]
     mean, local = training.sparse_pmean(
-        leaves, local, AXIS, exchange=self.exchange, fraction=self.fraction,
-        chunk_size=self.chunk_size)
+      leaves,
+      local,
+      AXIS,
+      exchange=self.exchange,
+      fraction=self.fraction,
+      chunk_size=self.chunk_size,
+    )
     return treedef.unflatten(mean), [r[None] for r in local]
 
   # -- outside --------------------------------------------------------------
 
-  def jit(self, step: Callable[..., Any], *, num_batch_args: int,
-          compiler_options: dict | None = None):
+  def jit(
+    self,
+    step: Callable[..., Any],
+    *,
+    num_batch_args: int,
+    compiler_options: dict | None = None,
+  ):
     """``step(state, residual, *batch, key) -> (state, residual, metrics)``
     per replica, as one jitted program over the mesh; state and residual
-    donated."""
+    donated.
+    """
     if self.local_steps:
       inner = step
 
@@ -254,15 +327,20 @@ class Replicas:
     batch = (P(AXIS),) * num_batch_args
     spec = self._state_spec
     mapped = jax.shard_map(
-        step, mesh=self.mesh, in_specs=(spec, P(AXIS), *batch, P()),
-        out_specs=(spec, P(AXIS), P()))
-    return jax.jit(mapped, donate_argnums=(0, 1),
-                   compiler_options=compiler_options)
+      step,
+      mesh=self.mesh,
+      in_specs=(spec, P(AXIS), *batch, P()),
+      out_specs=(spec, P(AXIS), P()),
+    )
+    return jax.jit(
+      mapped, donate_argnums=(0, 1), compiler_options=compiler_options
+    )
 
   def build_outer_sync(self, graphdef: Any, compiler_options=None) -> None:
     """Compiles the outer step of ``--local-steps`` for ``graphdef``."""
-    outer_tx = training.default_outer_optimizer(self.outer_lr,
-                                                self.outer_momentum)
+    outer_tx = training.default_outer_optimizer(
+      self.outer_lr, self.outer_momentum
+    )
     self._graphdef = graphdef
 
     def sync(state, unsent, outer):
@@ -270,14 +348,22 @@ class Replicas:
       local = nnx.state(model, nnx.Param)
       leaves, treedef = jax.tree.flatten(nnx.to_pure_dict(local))
       params, opt_state, unsent, _ = training.outer_step(
-          outer["params"], leaves, outer["opt_state"], AXIS,
-          outer_tx=outer_tx, error_feedback=unsent is not None,
-          exchange=self.exchange, fraction=self.fraction,
-          chunk_size=self.chunk_size, quantize=self.outer_quantize)
+        outer["params"],
+        leaves,
+        outer["opt_state"],
+        AXIS,
+        outer_tx=outer_tx,
+        error_feedback=unsent is not None,
+        exchange=self.exchange,
+        fraction=self.fraction,
+        chunk_size=self.chunk_size,
+        quantize=self.outer_quantize,
+      )
       # The next round starts at the new outer parameters, less what this
       # replica's change did not get sent (error feedback).
-      start = params if unsent is None else [p - e for p, e in
-                                             zip(params, unsent)]
+      start = (
+        params if unsent is None else [p - e for p, e in zip(params, unsent)]
+      )
       nnx.replace_by_pure_dict(local, treedef.unflatten(start))
       nnx.update(model, local)
       nnx.update(model, jax.lax.pmean(nnx.state(model, nnx.BatchStat), AXIS))
@@ -285,30 +371,37 @@ class Replicas:
       outer = {"params": params, "opt_state": opt_state}
       return _stack(nnx.state((model, optimizer))), unsent, outer
 
-    mapped = jax.shard_map(sync, mesh=self.mesh,
-                           in_specs=(P(AXIS), P(AXIS), P()),
-                           out_specs=(P(AXIS), P(AXIS), P()))
-    self._sync = jax.jit(mapped, donate_argnums=(0, 1, 2),
-                         compiler_options=compiler_options)
+    mapped = jax.shard_map(
+      sync,
+      mesh=self.mesh,
+      in_specs=(P(AXIS), P(AXIS), P()),
+      out_specs=(P(AXIS), P(AXIS), P()),
+    )
+    self._sync = jax.jit(
+      mapped, donate_argnums=(0, 1, 2), compiler_options=compiler_options
+    )
 
   def is_outer_step(self, done: int, total: int) -> bool:
     """Whether step ``done`` (1-based) ends a round (every ``H``, and the
-    last)."""
-    return bool(self.local_steps) and (done % self.local_steps == 0
-                                       or done == total)
+    last).
+    """
+    return bool(self.local_steps) and (
+      done % self.local_steps == 0 or done == total
+    )
 
   def outer_sync(self, state, residual, outer):
     """The outer step: ``(state, unsent, outer)`` with every replica at the
-    new outer parameters (less its unsent part)."""
+    new outer parameters (less its unsent part).
+    """
     return self._sync(state, residual, outer)
 
   def init_outer(self, params: Any) -> dict[str, Any] | None:
     """The outer parameters (leaves of ``params``) and the outer optimizer
-    state, replicated; None without local steps."""
+    state, replicated; None without local steps.
+    """
     if not self.local_steps:
       return None
-    leaves = [jnp.asarray(x) for x in jax.tree.leaves(
-        nnx.to_pure_dict(params))]
+    leaves = [jnp.asarray(x) for x in jax.tree.leaves(nnx.to_pure_dict(params))]
     tx = training.default_outer_optimizer(self.outer_lr, self.outer_momentum)
     tree = {"params": leaves, "opt_state": tx.init(leaves)}
     return self.replicate(jax.device_get(tree))
@@ -318,8 +411,9 @@ class Replicas:
     if jax.process_count() == 1:
       return jax.device_put(x, sharding)
     if _is_key(x):
-      return jax.random.wrap_key_data(self._put(jax.random.key_data(x), spec),
-                                      impl=jax.random.key_impl(x))
+      return jax.random.wrap_key_data(
+        self._put(jax.random.key_data(x), spec), impl=jax.random.key_impl(x)
+      )
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
 
@@ -329,15 +423,17 @@ class Replicas:
 
   def place_state(self, state: Any) -> Any:
     """The train state on the mesh: replicated, or (local steps) one copy
-    per replica along a leading axis."""
+    per replica along a leading axis.
+    """
     if not self.local_steps:
       return self.replicate(state)
     w = self.num_replicas
 
     def stack(x):
       if _is_key(x):
-        return jax.random.wrap_key_data(stack(jax.random.key_data(x)),
-                                        impl=jax.random.key_impl(x))
+        return jax.random.wrap_key_data(
+          stack(jax.random.key_data(x)), impl=jax.random.key_impl(x)
+        )
       return np.broadcast_to(np.asarray(x), (w,) + tuple(x.shape))
 
     return jax.tree.map(lambda x: self._put(stack(x), P(AXIS)), state)
@@ -345,23 +441,29 @@ class Replicas:
   def shard(self, x: np.ndarray) -> jax.Array:
     """A global batch (the same on every process), split over the replicas."""
     if len(x) % self.num_replicas:
-      raise ValueError(f"the batch of {len(x)} is not divisible by the "
-                       f"{self.num_replicas} replicas (devices).")
+      raise ValueError(
+        f"the batch of {len(x)} is not divisible by the "
+        f"{self.num_replicas} replicas (devices)."
+      )
     return self._put(x, P(AXIS))
 
   def init_residual(self, params: Any):
     """Zero error-feedback residuals per replica (with local steps: the
     unsent parts of the parameter change); None for the dense exchange
-    (float payload)."""
+    (float payload).
+    """
     if not self.has_residual:
       return None
-    return [self._put(np.zeros((self.num_replicas,) + x.shape, x.dtype),
-                      P(AXIS)) for x in jax.tree.leaves(params)]
+    return [
+      self._put(np.zeros((self.num_replicas,) + x.shape, x.dtype), P(AXIS))
+      for x in jax.tree.leaves(params)
+    ]
 
   def local(self, tree: Any) -> Any:
     """A single-device copy of the state (this process's first device; with
     local steps its replica's copy, equal to the others' after an outer
-    step except for the inner optimizer state)."""
+    step except for the inner optimizer state).
+    """
     if self.local_steps:
       return jax.tree.map(lambda x: x.addressable_data(0)[0], tree)
     return jax.tree.map(lambda x: x.addressable_data(0), tree)
@@ -369,24 +471,33 @@ class Replicas:
   def outer_copy(self, state: Any, outer: dict[str, Any]) -> Any:
     """A single-device copy of the state whose parameters are the outer
     ones (the model the local-step run has trained; each replica's own
-    differs by its unsent part)."""
+    differs by its unsent part).
+    """
     model, optimizer = nnx.merge(self._graphdef, self.local(state))
     params = nnx.state(model, nnx.Param)
     treedef = jax.tree.structure(nnx.to_pure_dict(params))
-    nnx.replace_by_pure_dict(params, treedef.unflatten(
-        [x.addressable_data(0) for x in outer["params"]]))
+    nnx.replace_by_pure_dict(
+      params,
+      treedef.unflatten([x.addressable_data(0) for x in outer["params"]]),
+    )
     nnx.update(model, params)
     return nnx.state((model, optimizer))
 
   def describe(self) -> dict[str, Any]:
-    info = {"replicas": self.num_replicas, "processes": jax.process_count(),
-            "exchange": self.exchange,
-            "fraction": None if self.exchange == "dense" else self.fraction}
+    info = {
+      "replicas": self.num_replicas,
+      "processes": jax.process_count(),
+      "exchange": self.exchange,
+      "fraction": None if self.exchange == "dense" else self.fraction,
+    }
     if self.local_steps:
-      info.update(local_steps=self.local_steps, outer_lr=self.outer_lr,
-                  outer_momentum=self.outer_momentum,
-                  outer_quantize=self.outer_quantize,
-                  chunk_size=self.chunk_size)
+      info.update(
+        local_steps=self.local_steps,
+        outer_lr=self.outer_lr,
+        outer_momentum=self.outer_momentum,
+        outer_quantize=self.outer_quantize,
+        chunk_size=self.chunk_size,
+      )
     return info
 
 
@@ -414,22 +525,31 @@ def make_replicas(args: argparse.Namespace) -> Replicas | None:
   if not args.data_parallel:
     return None
   replicas = Replicas(
-      args.exchange, args.exchange_fraction,
-      chunk_size=args.exchange_chunk_size, local_steps=args.local_steps,
-      outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-      outer_quantize=None if args.outer_quantize == "none"
-      else args.outer_quantize)
+    args.exchange,
+    args.exchange_fraction,
+    chunk_size=args.exchange_chunk_size,
+    local_steps=args.local_steps,
+    outer_lr=args.outer_lr,
+    outer_momentum=args.outer_momentum,
+    outer_quantize=None
+    if args.outer_quantize == "none"
+    else args.outer_quantize,
+  )
   if args.batch_size % replicas.num_replicas:
-    raise ValueError(f"--batch-size {args.batch_size} must be divisible by "
-                     f"the {replicas.num_replicas} devices of --data-parallel.")
+    raise ValueError(
+      f"--batch-size {args.batch_size} must be divisible by "
+      f"the {replicas.num_replicas} devices of --data-parallel."
+    )
   return replicas
 
 
-def checkpoint_items(state: Any, residual: list | None,
-                     outer: dict | None) -> dict[str, Any]:
+def checkpoint_items(
+  state: Any, residual: list | None, outer: dict | None
+) -> dict[str, Any]:
   """The trees a data-parallel checkpoint holds, as they lie on the mesh:
   ``state`` ({"model", "optimizer"}: replicated, or per replica with local
-  steps), ``residual`` (per replica) and ``outer`` (local steps)."""
+  steps), ``residual`` (per replica) and ``outer`` (local steps).
+  """
   pure = nnx.to_pure_dict(state)
   items = {"state": {"model": pure[0], "optimizer": pure[1]}}
   if residual is not None:
@@ -439,34 +559,46 @@ def checkpoint_items(state: Any, residual: list | None,
   return items
 
 
-def save(workdir: Any, step: int, history: dict, state: Any,
-         residual: list | None, outer: dict | None) -> None:
+def save(
+  workdir: Any,
+  step: int,
+  history: dict,
+  state: Any,
+  residual: list | None,
+  outer: dict | None,
+) -> None:
   """Checkpoint ``step`` of a data-parallel run; every process calls it and
-  writes the shards of its own devices."""
+  writes the shards of its own devices.
+  """
   workdir.save_items(step, checkpoint_items(state, residual, outer), history)
 
 
 def place(workdir: Any, replicas: Replicas, model: nnx.Module, state: Any):
   """The train state on the mesh with zero residuals (and the outer state
   of local steps), or, when resuming, the latest checkpoint's onto the same
-  mesh: ``(step, history, (state, residual, outer))``."""
+  mesh: ``(step, history, (state, residual, outer))``.
+  """
   params = nnx.state(model, nnx.Param)
   state = replicas.place_state(state)
   residual = replicas.init_residual(params)
   outer = replicas.init_outer(params)
   step, history, items = workdir.restore_items(
-      checkpoint_items(state, residual, outer))
+    checkpoint_items(state, residual, outer)
+  )
   if step:
-    nnx.replace_by_pure_dict(state, {0: items["state"]["model"],
-                                     1: items["state"]["optimizer"]})
+    nnx.replace_by_pure_dict(
+      state, {0: items["state"]["model"], 1: items["state"]["optimizer"]}
+    )
     residual, outer = items.get("residual"), items.get("outer")
   return step, history, (state, residual, outer)
 
 
-def single_device(tree: Any, replicas: Replicas | None,
-                  outer: dict | None = None) -> Any:
+def single_device(
+  tree: Any, replicas: Replicas | None, outer: dict | None = None
+) -> Any:
   """``tree`` itself, or its single-device copy when data-parallel (with
-  local steps: with the outer parameters)."""
+  local steps: with the outer parameters).
+  """
   if replicas is None:
     return tree
   if outer is not None:
@@ -474,11 +606,18 @@ def single_device(tree: Any, replicas: Replicas | None,
   return replicas.local(tree)
 
 
-def jit_train_step(step: Callable[..., Any], replicas: Replicas | None, *,
-                   num_batch_args: int, compiler_options=None):
+def jit_train_step(
+  step: Callable[..., Any],
+  replicas: Replicas | None,
+  *,
+  num_batch_args: int,
+  compiler_options=None,
+):
   """The examples' jitted training step: over the replicas when there are
-  some, else on one device with the ``(model, optimizer)`` state donated."""
+  some, else on one device with the ``(model, optimizer)`` state donated.
+  """
   if replicas is not None:
-    return replicas.jit(step, num_batch_args=num_batch_args,
-                        compiler_options=compiler_options)
+    return replicas.jit(
+      step, num_batch_args=num_batch_args, compiler_options=compiler_options
+    )
   return jax.jit(step, donate_argnums=0, compiler_options=compiler_options)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping
+from collections.abc import Sequence
 
 import matplotlib
 
@@ -10,10 +11,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
-def plot_loss_curves(train_history: Sequence[Sequence[float]],
-                     eval_history: Sequence[Sequence[float]], path: str, *,
-                     title: str = "", reference: float | None = None,
-                     reference_label: str = "", log_y: bool = False) -> None:
+def plot_loss_curves(
+  train_history: Sequence[Sequence[float]],
+  eval_history: Sequence[Sequence[float]],
+  path: str,
+  *,
+  title: str = "",
+  reference: float | None = None,
+  reference_label: str = "",
+  log_y: bool = False,
+) -> None:
   """Saves train loss (per step) and eval loss (per evaluation) to ``path``.
 
   Args:
@@ -46,9 +53,13 @@ def plot_loss_curves(train_history: Sequence[Sequence[float]],
   plt.close(fig)
 
 
-def plot_panels(curves: Mapping[str, Sequence[Sequence[float]]], path: str, *,
-                title: str = "",
-                references: Mapping[str, float] | None = None) -> None:
+def plot_panels(
+  curves: Mapping[str, Sequence[Sequence[float]]],
+  path: str,
+  *,
+  title: str = "",
+  references: Mapping[str, float] | None = None,
+) -> None:
   """Saves one panel per curve, stacked, sharing the step axis.
 
   Args:
@@ -59,8 +70,9 @@ def plot_panels(curves: Mapping[str, Sequence[Sequence[float]]], path: str, *,
       reward of a random policy), drawn in the panel of that name.
   """
   references = references or {}
-  fig, axes = plt.subplots(len(curves), 1, figsize=(6, 2.2 * len(curves)),
-                           sharex=True, squeeze=False)
+  fig, axes = plt.subplots(
+    len(curves), 1, figsize=(6, 2.2 * len(curves)), sharex=True, squeeze=False
+  )
   for ax, (name, points) in zip(axes[:, 0], curves.items()):
     if points:
       steps, values = zip(*[(p[0], p[1]) for p in points])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 from flax import nnx
@@ -22,19 +23,32 @@ CONFIG_FILE = "config.json"
 # warm-up, optimizer and its knobs, batch size, seed, data, model, compiler
 # options) defines the run: the learning-rate schedule is built from --steps,
 # so resuming with another value would give a run that matches neither.
-RESUMABLE_FLAGS = frozenset({
-    "workdir", "resume", "eval_every", "checkpoint_every", "quiet",
-    "max_eval_examples", "eval_batch_size", "data_dir", "download",
+RESUMABLE_FLAGS = frozenset(
+  {
+    "workdir",
+    "resume",
+    "eval_every",
+    "checkpoint_every",
+    "quiet",
+    "max_eval_examples",
+    "eval_batch_size",
+    "data_dir",
+    "download",
     # Where a process finds the others (a restarted job gets new ones).
-    "coordinator_address", "process_id", "distributed"})
+    "coordinator_address",
+    "process_id",
+    "distributed",
+  }
+)
 
 
 def _flag(name: str) -> str:
   return "--" + name.replace("_", "-")
 
 
-def check_resume_config(saved: Mapping[str, Any],
-                        current: Mapping[str, Any], path: str) -> None:
+def check_resume_config(
+  saved: Mapping[str, Any], current: Mapping[str, Any], path: str
+) -> None:
   """Raises ``ValueError`` if a run-defining flag differs from the checkpoint's.
 
   Args:
@@ -46,15 +60,19 @@ def check_resume_config(saved: Mapping[str, Any],
   diffs = [n for n in names if saved.get(n) != current.get(n)]
   if not diffs:
     return
-  changes = ", ".join(f"{_flag(n)} {saved.get(n)!r} -> {current.get(n)!r}"
-                      for n in diffs)
+  changes = ", ".join(
+    f"{_flag(n)} {saved.get(n)!r} -> {current.get(n)!r}" for n in diffs
+  )
   raise ValueError(
-      f"--resume: the run in {path} was started with other values of flags "
-      f"that define it ({changes}). Its learning-rate schedule and data order "
-      "were fixed by those flags at step 0, so continuing with new values "
-      "would match neither run. Resume with the original flags (see "
-      f"{os.path.join(path, CONFIG_FILE)}); to train longer, start a new "
-      "--workdir with the larger --steps.")
+    f"--resume: the run in {path} was started with other values of flags "
+    f"that define it ({changes}). Its learning-rate schedule and data order "
+    "were fixed by those flags at step 0, so continuing with new values "
+    "would match neither run. Resume with the original flags (see "
+    f"{os.path.join(path, CONFIG_FILE)}); to train longer, start a new "
+    "--workdir with the larger --steps."
+  )
+
+
 PANELS_FILE = "curves.png"
 
 
@@ -72,9 +90,14 @@ class Workdir:
   differs from it raises ``ValueError`` (see :data:`RESUMABLE_FLAGS`).
   """
 
-  def __init__(self, path: str | None, *, resume: bool,
-               checkpoint_every: int = 0,
-               config: Mapping[str, Any] | None = None):
+  def __init__(
+    self,
+    path: str | None,
+    *,
+    resume: bool,
+    checkpoint_every: int = 0,
+    config: Mapping[str, Any] | None = None,
+  ):
     self.path = path
     self.checkpoint_every = checkpoint_every
     self._resume = resume
@@ -82,20 +105,23 @@ class Workdir:
     if path:
       os.makedirs(path, exist_ok=True)
       self._checkpointer = checkpointing.Checkpointer(
-          os.path.join(path, "checkpoints"))
+        os.path.join(path, "checkpoints")
+      )
       latest = self._checkpointer.latest_step()
       if latest is not None and not resume:
         raise FileExistsError(
-            f"{path} already holds checkpoints (up to step {latest}); pass "
-            "--resume to continue that run, or choose another --workdir.")
+          f"{path} already holds checkpoints (up to step {latest}); pass "
+          "--resume to continue that run, or choose another --workdir."
+        )
       if config is not None:
         self._check_or_write_config(dict(config), resuming=latest is not None)
     # Several processes: process 0 writes the metrics, events and plots.
     self._primary = jax.process_index() == 0
     self.writer = metrics_lib.MetricsWriter(path if self._primary else None)
 
-  def _check_or_write_config(self, config: dict[str, Any], *,
-                             resuming: bool) -> None:
+  def _check_or_write_config(
+    self, config: dict[str, Any], *, resuming: bool
+  ) -> None:
     config_path = os.path.join(self.path, CONFIG_FILE)
     if resuming and os.path.exists(config_path):
       with open(config_path) as f:
@@ -106,8 +132,9 @@ class Workdir:
     with open(config_path, "w") as f:
       json.dump(config, f, indent=1, sort_keys=True)
 
-  def restore(self, model: nnx.Module, optimizer: nnx.Optimizer
-              ) -> tuple[int, dict[str, list]]:
+  def restore(
+    self, model: nnx.Module, optimizer: nnx.Optimizer
+  ) -> tuple[int, dict[str, list]]:
     """Loads the latest checkpoint when resuming; returns (step, history)."""
     if not self._resume or self._checkpointer is None:
       return 0, new_history()
@@ -117,36 +144,44 @@ class Workdir:
     step, history = self._checkpointer.restore(model, optimizer)
     return step, history
 
-  def should_checkpoint(self, step: int, *, evaluated: bool,
-                        last: bool) -> bool:
+  def should_checkpoint(
+    self, step: int, *, evaluated: bool, last: bool
+  ) -> bool:
     if self._checkpointer is None:
       return False
     if self.checkpoint_every:
       return last or step % self.checkpoint_every == 0
     return last or evaluated
 
-  def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer,
-           history: dict[str, list]) -> None:
+  def save(
+    self,
+    step: int,
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    history: dict[str, list],
+  ) -> None:
     if self._checkpointer is not None:
       self._checkpointer.save(step, model, optimizer, history)
 
-  def save_items(self, step: int, items: dict[str, Any],
-                 history: dict[str, list]) -> None:
+  def save_items(
+    self, step: int, items: dict[str, Any], history: dict[str, list]
+  ) -> None:
     """Checkpoint of a data-parallel run (every process calls it)."""
     if self._checkpointer is not None:
       self._checkpointer.save_items(step, items, history)
 
-  def restore_items(self, like: dict[str, Any]
-                    ) -> tuple[int, dict[str, list], dict[str, Any]]:
+  def restore_items(
+    self, like: dict[str, Any]
+  ) -> tuple[int, dict[str, list], dict[str, Any]]:
     """``(step, history, items)`` of the latest checkpoint when resuming
-    (items placed like ``like``), else ``(0, new history, like)``."""
+    (items placed like ``like``), else ``(0, new history, like)``.
+    """
     if not self._resume or self._checkpointer is None:
       return 0, new_history(), like
     step = self._checkpointer.latest_step()
     if step is None:
       if jax.process_index() == 0:
-        print(f"--resume: no checkpoint in {self.path}, starting from step "
-              "0.")
+        print(f"--resume: no checkpoint in {self.path}, starting from step 0.")
       return 0, new_history(), like
     items, history = self._checkpointer.restore_items(step, like)
     return step, history, items
@@ -154,14 +189,21 @@ class Workdir:
   def log_optimizer(self, step: int, optimizer: nnx.Optimizer) -> None:
     """TensorBoard scalars/histograms of ``grpo_optax.metrics`` (if any)."""
     if self.path and self._primary:
-      self.writer.write_arrays(step, metrics_lib.optimizer_diagnostics(
-          optimizer), prefix="optimizer/")
+      self.writer.write_arrays(
+        step, metrics_lib.optimizer_diagnostics(optimizer), prefix="optimizer/"
+      )
 
-  def finish(self, summary: dict[str, Any], *, title: str,
-             reference: float | None = None,
-             reference_label: str = "", log_y: bool = False,
-             panels: dict[str, list] | None = None,
-             panel_references: dict[str, float] | None = None) -> None:
+  def finish(
+    self,
+    summary: dict[str, Any],
+    *,
+    title: str,
+    reference: float | None = None,
+    reference_label: str = "",
+    log_y: bool = False,
+    panels: dict[str, list] | None = None,
+    panel_references: dict[str, float] | None = None,
+  ) -> None:
     """Writes ``metrics.json`` and the plot; closes writers.
 
     The plot is the loss curves (``PLOT_FILE``), or, when ``panels``
@@ -175,10 +217,19 @@ class Workdir:
       return
     metrics_lib.write_json(os.path.join(self.path, METRICS_FILE), summary)
     if panels is not None:
-      plotting.plot_panels(panels, os.path.join(self.path, PANELS_FILE),
-                           title=title, references=panel_references)
+      plotting.plot_panels(
+        panels,
+        os.path.join(self.path, PANELS_FILE),
+        title=title,
+        references=panel_references,
+      )
       return
     plotting.plot_loss_curves(
-        summary["train_loss_history"], summary["eval_history"],
-        os.path.join(self.path, PLOT_FILE), title=title, reference=reference,
-        reference_label=reference_label, log_y=log_y)
+      summary["train_loss_history"],
+      summary["eval_history"],
+      os.path.join(self.path, PLOT_FILE),
+      title=title,
+      reference=reference,
+      reference_label=reference_label,
+      log_y=log_y,
+    )

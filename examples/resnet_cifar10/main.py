@@ -16,40 +16,69 @@ from examples.resnet_cifar10 import models
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   """Parses and checks the flags (``argv=None`` reads ``sys.argv``)."""
   parser = argparse.ArgumentParser(
-      prog="python -m examples.resnet_cifar10",
-      description="Train a ResNet with Flax NNX and the GRPO optax chain.",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    prog="python -m examples.resnet_cifar10",
+    description="Train a ResNet with Flax NNX and the GRPO optax chain.",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
   data = parser.add_argument_group("data and model")
-  data.add_argument("--dataset", choices=input_pipeline.DATASETS,
-                    default="digits",
-                    help="digits: scikit-learn's bundled 8x8 digits (no "
-                    "download); cifar10: read from --data-dir.")
-  data.add_argument("--data-dir", default=None,
-                    help="CIFAR-10: the cifar-10-python.tar.gz archive, the "
-                    "cifar-10-batches-py folder, or a folder holding either.")
-  data.add_argument("--download", action="store_true",
-                    help="Download CIFAR-10 into --data-dir if it is missing "
-                    "(MD5-checked).")
-  data.add_argument("--image-size", type=int, default=8,
-                    help="digits only: enlarge the 8x8 images to this size "
-                    "(a multiple of 8).")
-  data.add_argument("--augment", action=argparse.BooleanOptionalAction,
-                    default=None,
-                    help="Random 4-pixel crops and horizontal flips "
-                    "(default: on for cifar10, off for digits).")
-  data.add_argument("--max-train-examples", type=int, default=None,
-                    help="Use only the first N training examples.")
-  data.add_argument("--max-eval-examples", type=int, default=None,
-                    help="Evaluate on the first N held-out examples only.")
+  data.add_argument(
+    "--dataset",
+    choices=input_pipeline.DATASETS,
+    default="digits",
+    help="digits: scikit-learn's bundled 8x8 digits (no "
+    "download); cifar10: read from --data-dir.",
+  )
+  data.add_argument(
+    "--data-dir",
+    default=None,
+    help="CIFAR-10: the cifar-10-python.tar.gz archive, the "
+    "cifar-10-batches-py folder, or a folder holding either.",
+  )
+  data.add_argument(
+    "--download",
+    action="store_true",
+    help="Download CIFAR-10 into --data-dir if it is missing (MD5-checked).",
+  )
+  data.add_argument(
+    "--image-size",
+    type=int,
+    default=8,
+    help="digits only: enlarge the 8x8 images to this size (a multiple of 8).",
+  )
+  data.add_argument(
+    "--augment",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="Random 4-pixel crops and horizontal flips "
+    "(default: on for cifar10, off for digits).",
+  )
+  data.add_argument(
+    "--max-train-examples",
+    type=int,
+    default=None,
+    help="Use only the first N training examples.",
+  )
+  data.add_argument(
+    "--max-eval-examples",
+    type=int,
+    default=None,
+    help="Evaluate on the first N held-out examples only.",
+  )
   data.add_argument("--eval-batch-size", type=int, default=512)
-  data.add_argument("--depth", type=int, choices=models.DEPTHS, default=20,
-                    help="ResNet-8/20/32 (CIFAR, 16-64 channels) or ResNet-18.")
+  data.add_argument(
+    "--depth",
+    type=int,
+    choices=models.DEPTHS,
+    default=20,
+    help="ResNet-8/20/32 (CIFAR, 16-64 channels) or ResNet-18.",
+  )
   flags.add_training_flags(parser, steps=300, batch_size=64, eval_every=50)
   args = parser.parse_args(argv)
   flags.check_common_args(parser, args)
   if args.dataset == "cifar10" and not args.data_dir:
-    parser.error("--dataset cifar10 needs --data-dir (add --download to "
-                 "fetch it)")
+    parser.error(
+      "--dataset cifar10 needs --data-dir (add --download to fetch it)"
+    )
   if args.dataset == "cifar10" and not args.download:
     try:
       input_pipeline.find_cifar10(args.data_dir)
@@ -71,4 +100,5 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
   """Parses flags, trains, evaluates; returns the metrics dict."""
   from examples.resnet_cifar10 import train  # pylint: disable=g-import-not-at-top
+
   return train.train_and_evaluate(parse_args(argv))

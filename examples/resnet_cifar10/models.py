@@ -21,26 +21,32 @@ from flax import nnx
 
 # depth -> (channels per stage, blocks per stage)
 _ARCHITECTURES = {
-    8: ((16, 32, 64), (1, 1, 1)),
-    20: ((16, 32, 64), (3, 3, 3)),
-    32: ((16, 32, 64), (5, 5, 5)),
-    18: ((64, 128, 256, 512), (2, 2, 2, 2)),
+  8: ((16, 32, 64), (1, 1, 1)),
+  20: ((16, 32, 64), (3, 3, 3)),
+  32: ((16, 32, 64), (5, 5, 5)),
+  18: ((64, 128, 256, 512), (2, 2, 2, 2)),
 }
 DEPTHS = tuple(_ARCHITECTURES)
 
 
-def _conv(cin: int, cout: int, kernel: int, stride: int,
-          rngs: nnx.Rngs) -> nnx.Conv:
-  return nnx.Conv(cin, cout, (kernel, kernel), strides=(stride, stride),
-                  padding="SAME", use_bias=False,
-                  kernel_init=nnx.initializers.he_normal(), rngs=rngs)
+def _conv(
+  cin: int, cout: int, kernel: int, stride: int, rngs: nnx.Rngs
+) -> nnx.Conv:
+  return nnx.Conv(
+    cin,
+    cout,
+    (kernel, kernel),
+    strides=(stride, stride),
+    padding="SAME",
+    use_bias=False,
+    kernel_init=nnx.initializers.he_normal(),
+    rngs=rngs,
+  )
 
 
 def _batch_norm(channels: int, rngs: nnx.Rngs, *, zero_init: bool = False):
-  scale_init = (nnx.initializers.zeros if zero_init
-                else nnx.initializers.ones)
-  return nnx.BatchNorm(channels, momentum=0.9, scale_init=scale_init,
-                       rngs=rngs)
+  scale_init = nnx.initializers.zeros if zero_init else nnx.initializers.ones
+  return nnx.BatchNorm(channels, momentum=0.9, scale_init=scale_init, rngs=rngs)
 
 
 class BasicBlock(nnx.Module):
@@ -72,8 +78,14 @@ class BasicBlock(nnx.Module):
 class ResNet(nnx.Module):
   """ResNet-{8,20,32} (CIFAR) or ResNet-18 for small images, NHWC input."""
 
-  def __init__(self, depth: int = 20, num_classes: int = 10,
-               in_channels: int = 3, *, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    depth: int = 20,
+    num_classes: int = 10,
+    in_channels: int = 3,
+    *,
+    rngs: nnx.Rngs,
+  ):
     if depth not in _ARCHITECTURES:
       raise ValueError(f"ResNet depth must be one of {DEPTHS}, got {depth}.")
     channels, blocks = _ARCHITECTURES[depth]

@@ -24,23 +24,37 @@ from examples.resnet_cifar10 import input_pipeline
 from examples.resnet_cifar10 import models
 
 # Peak learning rates per optimizer (cosine schedule with 5% warm-up).
-DEFAULT_LRS = {"grpo": 3e-3, "adam": 3e-3, "adamw": 3e-3, "nadam": 3e-3,
-               "sgd": 0.1}
+DEFAULT_LRS = {
+  "grpo": 3e-3,
+  "adam": 3e-3,
+  "adamw": 3e-3,
+  "nadam": 3e-3,
+  "sgd": 0.1,
+}
 
 
 def load_dataset(args: argparse.Namespace) -> input_pipeline.Dataset:
   if args.dataset == "digits":
     return input_pipeline.load_digits(
-        image_size=args.image_size, max_train=args.max_train_examples,
-        max_test=args.max_eval_examples)
+      image_size=args.image_size,
+      max_train=args.max_train_examples,
+      max_test=args.max_eval_examples,
+    )
   return input_pipeline.load_cifar10(
-      args.data_dir, download=args.download, max_train=args.max_train_examples,
-      max_test=args.max_eval_examples)
+    args.data_dir,
+    download=args.download,
+    max_train=args.max_train_examples,
+    max_test=args.max_eval_examples,
+  )
 
 
-def make_train_step(graphdef: nnx.GraphDef, *, augment: bool,
-                    compiler_options: dict | None = None,
-                    replicas: parallel.Replicas | None = None):
+def make_train_step(
+  graphdef: nnx.GraphDef,
+  *,
+  augment: bool,
+  compiler_options: dict | None = None,
+  replicas: parallel.Replicas | None = None,
+):
   """A jitted step ``(state, residual, images, labels, key) -> (state,
   residual, metrics)``.
 
@@ -72,28 +86,29 @@ def make_train_step(graphdef: nnx.GraphDef, *, augment: bool,
       model_graph, model_state = nnx.split(model)
       local = nnx.merge(model_graph, replicas.varying(model_state))
       (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(local)
-      nnx.update(model, replicas.sync_stats(nnx.state(local,
-                                                      nnx.BatchStat)))
+      nnx.update(model, replicas.sync_stats(nnx.state(local, nnx.BatchStat)))
       grads, residual = replicas.exchange_grads(grads, residual)
     accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
     if replicas is not None:
       loss, accuracy = replicas.mean((loss, accuracy))
     updates = optimizer.update(model, grads)
     metrics = {
-        "loss": loss,
-        "accuracy": accuracy,
-        "grad_norm": optax.tree.norm(grads),
-        "update_norm": optax.tree.norm(updates),
-        "param_norm": optax.tree.norm(nnx.state(model, nnx.Param)),
+      "loss": loss,
+      "accuracy": accuracy,
+      "grad_norm": optax.tree.norm(grads),
+      "update_norm": optax.tree.norm(updates),
+      "param_norm": optax.tree.norm(nnx.state(model, nnx.Param)),
     }
     return nnx.state((model, optimizer)), residual, metrics
 
-  return parallel.jit_train_step(train_step, replicas, num_batch_args=2,
-                                 compiler_options=compiler_options)
+  return parallel.jit_train_step(
+    train_step, replicas, num_batch_args=2, compiler_options=compiler_options
+  )
 
 
-def make_eval_step(graphdef: nnx.GraphDef,
-                   compiler_options: dict | None = None):
+def make_eval_step(
+  graphdef: nnx.GraphDef, compiler_options: dict | None = None
+):
   """A jitted ``(state, images, labels, mask) -> (loss sum, correct sum)``."""
 
   @functools.partial(jax.jit, compiler_options=compiler_options)
@@ -107,14 +122,16 @@ def make_eval_step(graphdef: nnx.GraphDef,
   return eval_step
 
 
-def evaluate(eval_step, state, dataset: input_pipeline.Dataset,
-             batch_size: int) -> tuple[float, float]:
+def evaluate(
+  eval_step, state, dataset: input_pipeline.Dataset, batch_size: int
+) -> tuple[float, float]:
   """Held-out mean loss and accuracy over the whole test split."""
   num = len(dataset.test_labels)
   loss_sum, correct_sum = 0.0, 0.0
   for idx, mask in data_lib.eval_batches(num, min(batch_size, num)):
-    loss, correct = eval_step(state, dataset.test_images[idx],
-                              dataset.test_labels[idx], mask)
+    loss, correct = eval_step(
+      state, dataset.test_images[idx], dataset.test_labels[idx], mask
+    )
     loss_sum += float(loss)
     correct_sum += float(correct)
   return loss_sum / num, correct_sum / num
@@ -125,39 +142,59 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   parallel.initialize(args)  # Before any JAX work (multi-process runs).
   start_time = time.time()
   quiet = args.quiet or not parallel.is_primary()
-  workdir = workdir_lib.Workdir(args.workdir, resume=args.resume,
-                                checkpoint_every=args.checkpoint_every,
-                                config=vars(args))
+  workdir = workdir_lib.Workdir(
+    args.workdir,
+    resume=args.resume,
+    checkpoint_every=args.checkpoint_every,
+    config=vars(args),
+  )
   dataset = load_dataset(args)
-  augment = (args.dataset == "cifar10") if args.augment is None else args.augment
+  augment = (
+    (args.dataset == "cifar10") if args.augment is None else args.augment
+  )
   init_key, step_base = data_lib.init_and_step_keys(args.seed)
   model, optimizer = optim.create_model_and_optimizer(
-      lambda rngs: models.ResNet(args.depth, dataset.num_classes,
-                                 dataset.image_shape[-1], rngs=rngs),
-      optim.make_optimizer(args, DEFAULT_LRS), init_key)
+    lambda rngs: models.ResNet(
+      args.depth, dataset.num_classes, dataset.image_shape[-1], rngs=rngs
+    ),
+    optim.make_optimizer(args, DEFAULT_LRS),
+    init_key,
+  )
   replicas = parallel.make_replicas(args)
-  start_step, history = (0, workdir_lib.new_history()) if replicas else (
-      workdir.restore(model, optimizer))
+  start_step, history = (
+    (0, workdir_lib.new_history())
+    if replicas
+    else (workdir.restore(model, optimizer))
+  )
 
   graphdef, state = nnx.split((model, optimizer))
   residual = outer = None
   if replicas is not None:
     start_step, history, (state, residual, outer) = parallel.place(
-        workdir, replicas, model, state)
+      workdir, replicas, model, state
+    )
   if start_step > args.steps:
-    raise ValueError(f"the checkpoint in {args.workdir} is at step "
-                     f"{start_step}, beyond --steps {args.steps}.")
+    raise ValueError(
+      f"the checkpoint in {args.workdir} is at step "
+      f"{start_step}, beyond --steps {args.steps}."
+    )
   options = flags.compiler_options(args)
-  train_step = make_train_step(graphdef, augment=augment,
-                               compiler_options=options, replicas=replicas)
+  train_step = make_train_step(
+    graphdef, augment=augment, compiler_options=options, replicas=replicas
+  )
   eval_step = make_eval_step(graphdef, compiler_options=options)
   if replicas is not None and replicas.local_steps:
     replicas.build_outer_sync(graphdef, options)
   num_train = len(dataset.train_labels)
 
-  bar = tqdm.tqdm(range(start_step, args.steps), initial=start_step,
-                  total=args.steps, disable=quiet, desc="train",
-                  dynamic_ncols=True)
+  bar = tqdm.tqdm(
+    range(start_step, args.steps),
+    initial=start_step,
+    total=args.steps,
+    disable=quiet,
+    desc="train",
+    dynamic_ncols=True,
+  )
   tick = time.time()
   for step in bar:
     idx = data_lib.batch_indices(args.seed, step, args.batch_size, num_train)
@@ -166,35 +203,43 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if replicas is not None:
       images, labels = replicas.shard(images), replicas.shard(labels)
       key = replicas.replicate(key)
-    state, residual, metrics = train_step(state, residual, images, labels,
-                                          key)
+    state, residual, metrics = train_step(state, residual, images, labels, key)
     done = step + 1
     if replicas is not None and replicas.is_outer_step(done, args.steps):
       state, residual, outer = replicas.outer_sync(state, residual, outer)
     metrics = jax.device_get(metrics)
     history["train_loss"].append([done, float(metrics["loss"])])
     now = time.time()
-    bar.set_postfix(loss=f"{metrics['loss']:.4f}",
-                    ex_per_s=f"{args.batch_size / (now - tick):.0f}")
+    bar.set_postfix(
+      loss=f"{metrics['loss']:.4f}",
+      ex_per_s=f"{args.batch_size / (now - tick):.0f}",
+    )
     tick = now
-    workdir.writer.write_scalars(done, {f"train/{k}": v
-                                        for k, v in metrics.items()})
+    workdir.writer.write_scalars(
+      done, {f"train/{k}": v for k, v in metrics.items()}
+    )
 
     last = done == args.steps
     evaluated = last or (args.eval_every and done % args.eval_every == 0)
     if evaluated:
       eval_loss, eval_acc = evaluate(
-          eval_step, parallel.single_device(state, replicas, outer),
-          dataset, args.eval_batch_size)
+        eval_step,
+        parallel.single_device(state, replicas, outer),
+        dataset,
+        args.eval_batch_size,
+      )
       history["eval"].append([done, eval_loss, eval_acc])
-      workdir.writer.write_scalars(done, {"eval/loss": eval_loss,
-                                          "eval/accuracy": eval_acc})
+      workdir.writer.write_scalars(
+        done, {"eval/loss": eval_loss, "eval/accuracy": eval_acc}
+      )
       if not quiet:
-        bar.write(f"step {done}: held-out loss {eval_loss:.4f}, "
-                  f"accuracy {eval_acc:.4f}")
+        bar.write(
+          f"step {done}: held-out loss {eval_loss:.4f}, accuracy {eval_acc:.4f}"
+        )
     if workdir.should_checkpoint(done, evaluated=evaluated, last=last):
-      nnx.update((model, optimizer),
-                 parallel.single_device(state, replicas, outer))
+      nnx.update(
+        (model, optimizer), parallel.single_device(state, replicas, outer)
+      )
       workdir.log_optimizer(done, optimizer)
       if replicas is None:
         workdir.save(done, model, optimizer, history)
@@ -206,40 +251,48 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   nnx.update((model, optimizer), state)
   if not history["eval"] or history["eval"][-1][0] != args.steps:
     # Resumed from a finished run: evaluate the restored model once.
-    eval_loss, eval_acc = evaluate(eval_step, state, dataset,
-                                   args.eval_batch_size)
+    eval_loss, eval_acc = evaluate(
+      eval_step, state, dataset, args.eval_batch_size
+    )
     history["eval"].append([args.steps, eval_loss, eval_acc])
   _, eval_loss, eval_acc = history["eval"][-1]
   recent = [loss for _, loss in history["train_loss"][-10:]]
   summary = {
-      "example": "resnet_cifar10",
-      "dataset": dataset.name,
-      "model": f"resnet{args.depth}",
-      "num_params": int(sum(x.size for x in jax.tree.leaves(
-          nnx.state(model, nnx.Param)))),
-      "optimizer": args.optimizer,
-      "learning_rate": optim.peak_learning_rate(args, DEFAULT_LRS),
-      "steps": args.steps,
-      "batch_size": args.batch_size,
-      "seed": args.seed,
-      "data_parallel": replicas and replicas.describe(),
-      "num_train_examples": num_train,
-      "num_eval_examples": len(dataset.test_labels),
-      "train_loss": float(np.mean(recent)) if recent else None,
-      "eval_loss": eval_loss,
-      "eval_accuracy": eval_acc,
-      "wall_time_s": time.time() - start_time,
-      "resumed_from_step": start_step,
-      "optimizer_diagnostics": metrics_lib.scalar_optimizer_diagnostics(
-          optimizer),
-      "train_loss_history": history["train_loss"],
-      "eval_history": history["eval"],
-      "args": vars(args),
+    "example": "resnet_cifar10",
+    "dataset": dataset.name,
+    "model": f"resnet{args.depth}",
+    "num_params": int(
+      sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    ),
+    "optimizer": args.optimizer,
+    "learning_rate": optim.peak_learning_rate(args, DEFAULT_LRS),
+    "steps": args.steps,
+    "batch_size": args.batch_size,
+    "seed": args.seed,
+    "data_parallel": replicas and replicas.describe(),
+    "num_train_examples": num_train,
+    "num_eval_examples": len(dataset.test_labels),
+    "train_loss": float(np.mean(recent)) if recent else None,
+    "eval_loss": eval_loss,
+    "eval_accuracy": eval_acc,
+    "wall_time_s": time.time() - start_time,
+    "resumed_from_step": start_step,
+    "optimizer_diagnostics": metrics_lib.scalar_optimizer_diagnostics(
+      optimizer
+    ),
+    "train_loss_history": history["train_loss"],
+    "eval_history": history["eval"],
+    "args": vars(args),
   }
-  workdir.finish(summary, title=f"ResNet-{args.depth} on {dataset.name}, "
-                 f"{args.optimizer}", log_y=True)
+  workdir.finish(
+    summary,
+    title=f"ResNet-{args.depth} on {dataset.name}, {args.optimizer}",
+    log_y=True,
+  )
   if not quiet:
-    print(f"{dataset.name}: held-out accuracy {eval_acc:.4f} "
-          f"(loss {eval_loss:.4f}) after {args.steps} steps of "
-          f"{args.optimizer}, {summary['wall_time_s']:.1f} s")
+    print(
+      f"{dataset.name}: held-out accuracy {eval_acc:.4f} "
+      f"(loss {eval_loss:.4f}) after {args.steps} steps of "
+      f"{args.optimizer}, {summary['wall_time_s']:.1f} s"
+    )
   return summary

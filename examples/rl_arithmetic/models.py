@@ -48,21 +48,23 @@ def _digits(x: np.ndarray, n: int) -> np.ndarray:
   return (x[:, None] // 10 ** np.arange(n)) % 10
 
 
-def encode(a: np.ndarray, b: np.ndarray, num_digits: int
-           ) -> tuple[np.ndarray, np.ndarray]:
+def encode(
+  a: np.ndarray, b: np.ndarray, num_digits: int
+) -> tuple[np.ndarray, np.ndarray]:
   """Prompts ``[B, D + 1]`` and answers ``[B, D + 2]`` (int32) of ``a + b``."""
   a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
   n = len(a)
-  columns = COLUMN_OFFSET + 10 * _digits(a, num_digits) + _digits(b,
-                                                                  num_digits)
+  columns = COLUMN_OFFSET + 10 * _digits(a, num_digits) + _digits(b, num_digits)
   prompts = np.concatenate([columns, np.full((n, 1), EQUALS)], axis=1)
-  answers = np.concatenate([_digits(a + b, num_digits + 1),
-                            np.full((n, 1), EOS)], axis=1)
+  answers = np.concatenate(
+    [_digits(a + b, num_digits + 1), np.full((n, 1), EOS)], axis=1
+  )
   return prompts.astype(np.int32), answers.astype(np.int32)
 
 
-def train_problems(rng: np.random.Generator, n: int, num_digits: int
-                   ) -> tuple[np.ndarray, np.ndarray]:
+def train_problems(
+  rng: np.random.Generator, n: int, num_digits: int
+) -> tuple[np.ndarray, np.ndarray]:
   """``n`` random training problems ``(a, b)`` (never a held-out one)."""
   space = 10 ** (2 * num_digits)
   i = rng.integers(0, space, n)
@@ -70,8 +72,9 @@ def train_problems(rng: np.random.Generator, n: int, num_digits: int
   return i // 10**num_digits, i % 10**num_digits
 
 
-def held_out_problems(n: int, num_digits: int, seed: int = 0
-                      ) -> tuple[np.ndarray, np.ndarray]:
+def held_out_problems(
+  n: int, num_digits: int, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
   """``n`` held-out problems, a fixed function of ``seed``."""
   space = 10 ** (2 * num_digits)
   rng = np.random.default_rng((seed, 7))
@@ -84,10 +87,15 @@ def rewards(answers: jnp.ndarray, completions: jnp.ndarray) -> jnp.ndarray:
   return jnp.all(completions == answers, axis=-1).astype(jnp.float32)
 
 
-def policy_config(num_digits: int, *, hidden: int, num_layers: int,
-                  num_heads: int, ffn: int) -> decoder.DecoderConfig:
+def policy_config(
+  num_digits: int, *, hidden: int, num_layers: int, num_heads: int, ffn: int
+) -> decoder.DecoderConfig:
   return decoder.DecoderConfig(
-      vocab_size=VOCAB,
-      max_length=prompt_length(num_digits) + answer_length(num_digits),
-      hidden=hidden, num_layers=num_layers, num_heads=num_heads, ffn=ffn,
-      out_vocab=OUT_VOCAB)
+    vocab_size=VOCAB,
+    max_length=prompt_length(num_digits) + answer_length(num_digits),
+    hidden=hidden,
+    num_layers=num_layers,
+    num_heads=num_heads,
+    ffn=ffn,
+    out_vocab=OUT_VOCAB,
+  )

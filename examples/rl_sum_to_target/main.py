@@ -18,64 +18,115 @@ from __future__ import annotations
 
 import argparse
 
-from grpo_optax import rl
-
 from examples.common import flags
+from grpo_optax import rl
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   """Parses and checks the flags (``argv=None`` reads ``sys.argv``)."""
   parser = argparse.ArgumentParser(
-      prog="python -m examples.rl_sum_to_target",
-      description="RL fine-tuning with grpo_optax.rl (group relative policy "
-      "optimisation): 3 digits that sum to a target.",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    prog="python -m examples.rl_sum_to_target",
+    description="RL fine-tuning with grpo_optax.rl (group relative policy "
+    "optimisation): 3 digits that sum to a target.",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
   task = parser.add_argument_group("RL")
-  task.add_argument("--group-size", type=int, default=16,
-                    help="Completions sampled per prompt (G).")
-  task.add_argument("--loss", choices=rl.PRESETS, default="grpo",
-                    help="grpo_optax.rl.Config preset.")
-  task.add_argument("--beta", type=float, default=None,
-                    help="KL coefficient (default: the preset's; > 0 builds a "
-                    "frozen reference policy, the initial one).")
-  task.add_argument("--kl-estimator", choices=rl.KL_ESTIMATORS, default=None,
-                    help="Default: the preset's (k3).")
-  task.add_argument("--temperature", type=float, default=1.0,
-                    help="Sampling temperature (the loss uses the same).")
-  task.add_argument("--inner-steps", type=int, default=1,
-                    help="Optimizer steps per sampled batch (mu); > 1 makes "
-                    "the ratio and its clipping matter.")
-  task.add_argument("--shuffle-rewards", action="store_true",
-                    help="Control: permute the rewards across the batch "
-                    "before the advantages, so they carry no information.")
-  task.add_argument("--eval-samples", type=int, default=16,
-                    help="Sampled completions per target at evaluation.")
+  task.add_argument(
+    "--group-size",
+    type=int,
+    default=16,
+    help="Completions sampled per prompt (G).",
+  )
+  task.add_argument(
+    "--loss",
+    choices=rl.PRESETS,
+    default="grpo",
+    help="grpo_optax.rl.Config preset.",
+  )
+  task.add_argument(
+    "--beta",
+    type=float,
+    default=None,
+    help="KL coefficient (default: the preset's; > 0 builds a "
+    "frozen reference policy, the initial one).",
+  )
+  task.add_argument(
+    "--kl-estimator",
+    choices=rl.KL_ESTIMATORS,
+    default=None,
+    help="Default: the preset's (k3).",
+  )
+  task.add_argument(
+    "--temperature",
+    type=float,
+    default=1.0,
+    help="Sampling temperature (the loss uses the same).",
+  )
+  task.add_argument(
+    "--inner-steps",
+    type=int,
+    default=1,
+    help="Optimizer steps per sampled batch (mu); > 1 makes "
+    "the ratio and its clipping matter.",
+  )
+  task.add_argument(
+    "--shuffle-rewards",
+    action="store_true",
+    help="Control: permute the rewards across the batch "
+    "before the advantages, so they carry no information.",
+  )
+  task.add_argument(
+    "--eval-samples",
+    type=int,
+    default=16,
+    help="Sampled completions per target at evaluation.",
+  )
   model = parser.add_argument_group("model")
   model.add_argument("--hidden", type=int, default=64)
   model.add_argument("--num-layers", type=int, default=2)
   model.add_argument("--num-heads", type=int, default=4)
   model.add_argument("--ffn", type=int, default=128)
-  model.add_argument("--value-embedding",
-                     action=argparse.BooleanOptionalAction, default=True,
-                     help="Add to each token's embedding a learned vector "
-                     "times the number it stands for.")
-  flags.add_training_flags(parser, steps=200, batch_size=56, eval_every=50,
-                           data_parallel=False,
-                           default_optimizer="adam")
+  model.add_argument(
+    "--value-embedding",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="Add to each token's embedding a learned vector "
+    "times the number it stands for.",
+  )
+  flags.add_training_flags(
+    parser,
+    steps=200,
+    batch_size=56,
+    eval_every=50,
+    data_parallel=False,
+    default_optimizer="adam",
+  )
   args = parser.parse_args(argv)
   flags.check_common_args(parser, args)
-  positive = ("group_size", "inner_steps", "eval_samples", "hidden",
-              "num_layers", "num_heads", "ffn")
+  positive = (
+    "group_size",
+    "inner_steps",
+    "eval_samples",
+    "hidden",
+    "num_layers",
+    "num_heads",
+    "ffn",
+  )
   for name in positive:
     if getattr(args, name) < 1:
-      parser.error(f"--{name.replace('_', '-')} must be >= 1, got "
-                   f"{getattr(args, name)}")
+      parser.error(
+        f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+      )
   if args.group_size < 2:
-    parser.error(f"--group-size must be >= 2 (advantages are relative to the "
-                 f"group), got {args.group_size}")
+    parser.error(
+      f"--group-size must be >= 2 (advantages are relative to the "
+      f"group), got {args.group_size}"
+    )
   if args.hidden % args.num_heads:
-    parser.error(f"--hidden ({args.hidden}) must be divisible by --num-heads "
-                 f"({args.num_heads})")
+    parser.error(
+      f"--hidden ({args.hidden}) must be divisible by --num-heads "
+      f"({args.num_heads})"
+    )
   if not args.temperature > 0:
     parser.error(f"--temperature must be > 0, got {args.temperature}")
   if args.beta is not None and not args.beta >= 0:
@@ -96,4 +147,5 @@ def loss_config(args: argparse.Namespace) -> rl.Config:
 def main(argv: list[str] | None = None) -> dict:
   """Parses flags, trains, evaluates; returns the metrics dict."""
   from examples.rl_sum_to_target import train  # pylint: disable=g-import-not-at-top
+
   return train.train_and_evaluate(parse_args(argv))

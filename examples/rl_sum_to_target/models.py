@@ -42,12 +42,15 @@ def prompt_tokens(targets: jax.Array) -> jax.Array:
 
 def token_values(tokens: jax.Array) -> jax.Array:
   """The number a token stands for, scaled to [0, 1]: digit d -> d / 9,
-  target s -> s / 27."""
+  target s -> s / 27.
+  """
   tokens = jnp.asarray(tokens)
   is_digit = tokens < TARGET_OFFSET
-  return jnp.where(is_digit, tokens / (DIGIT_VOCAB - 1),
-                   (tokens - TARGET_OFFSET) / (NUM_TARGETS - 1)
-                   ).astype(jnp.float32)
+  return jnp.where(
+    is_digit,
+    tokens / (DIGIT_VOCAB - 1),
+    (tokens - TARGET_OFFSET) / (NUM_TARGETS - 1),
+  ).astype(jnp.float32)
 
 
 def rewards(targets: jax.Array, completions: jax.Array) -> jax.Array:
@@ -58,8 +61,9 @@ def rewards(targets: jax.Array, completions: jax.Array) -> jax.Array:
 def chance_reward() -> float:
   """Expected reward of the uniform policy over targets and digit triples."""
   digits = np.arange(DIGIT_VOCAB)
-  sums = (digits[:, None, None] + digits[None, :, None]
-          + digits[None, None, :]).ravel()
+  sums = (
+    digits[:, None, None] + digits[None, :, None] + digits[None, None, :]
+  ).ravel()
   counts = np.bincount(sums, minlength=NUM_TARGETS)
   return float(np.mean(counts / DIGIT_VOCAB**NUM_DIGITS))
 
@@ -67,6 +71,7 @@ def chance_reward() -> float:
 @dataclasses.dataclass
 class PolicyConfig:
   """Size of the decoder (defaults: about 60k parameters)."""
+
   hidden: int = 64
   num_layers: int = 2
   num_heads: int = 4
@@ -76,11 +81,14 @@ class PolicyConfig:
   def __post_init__(self):
     for name in ("hidden", "num_layers", "num_heads", "ffn"):
       if getattr(self, name) < 1:
-        raise ValueError(f"PolicyConfig.{name} must be >= 1, got "
-                         f"{getattr(self, name)}.")
+        raise ValueError(
+          f"PolicyConfig.{name} must be >= 1, got {getattr(self, name)}."
+        )
     if self.hidden % self.num_heads:
-      raise ValueError(f"hidden ({self.hidden}) must be divisible by "
-                       f"num_heads ({self.num_heads}).")
+      raise ValueError(
+        f"hidden ({self.hidden}) must be divisible by "
+        f"num_heads ({self.num_heads})."
+      )
 
 
 class CausalSelfAttention(nnx.Module):
@@ -88,10 +96,12 @@ class CausalSelfAttention(nnx.Module):
 
   def __init__(self, hidden: int, num_heads: int, *, rngs: nnx.Rngs):
     self.head_dim = hidden // num_heads
-    self.qkv = nnx.LinearGeneral(hidden, (3, num_heads, self.head_dim),
-                                 rngs=rngs)
-    self.out = nnx.LinearGeneral((num_heads, self.head_dim), hidden,
-                                 axis=(-2, -1), rngs=rngs)
+    self.qkv = nnx.LinearGeneral(
+      hidden, (3, num_heads, self.head_dim), rngs=rngs
+    )
+    self.out = nnx.LinearGeneral(
+      (num_heads, self.head_dim), hidden, axis=(-2, -1), rngs=rngs
+    )
 
   def __call__(self, x):
     q, k, v = jnp.moveaxis(self.qkv(x), 2, 0)  # each [B, T, H, Dh]
@@ -128,14 +138,19 @@ class SumPolicy(nnx.Module):
   def __init__(self, config: PolicyConfig, *, rngs: nnx.Rngs):
     self.config = config
     self.tok_embed = nnx.Embed(INPUT_VOCAB, config.hidden, rngs=rngs)
-    self.value_embed = nnx.Linear(1, config.hidden, use_bias=False,
-                                  rngs=rngs) if config.value_embedding else None
+    self.value_embed = (
+      nnx.Linear(1, config.hidden, use_bias=False, rngs=rngs)
+      if config.value_embedding
+      else None
+    )
     self.pos_embed = nnx.Embed(NUM_DIGITS + 1, config.hidden, rngs=rngs)
-    self.layers = nnx.List([Block(config, rngs=rngs)
-                            for _ in range(config.num_layers)])
+    self.layers = nnx.List(
+      [Block(config, rngs=rngs) for _ in range(config.num_layers)]
+    )
     self.ln_f = nnx.LayerNorm(config.hidden, rngs=rngs)
-    self.head = nnx.Linear(config.hidden, DIGIT_VOCAB,
-                           kernel_init=nnx.initializers.zeros, rngs=rngs)
+    self.head = nnx.Linear(
+      config.hidden, DIGIT_VOCAB, kernel_init=nnx.initializers.zeros, rngs=rngs
+    )
 
   def __call__(self, tokens):
     length = tokens.shape[1]

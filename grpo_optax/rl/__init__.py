@@ -35,52 +35,52 @@ runnable loops.
 
 from grpo_optax.rl.advantages import group_advantages
 from grpo_optax.rl.advantages import zero_signal_groups
+from grpo_optax.rl.batching import LossNormalizer
 from grpo_optax.rl.batching import drop_zero_signal
 from grpo_optax.rl.batching import group_rows
 from grpo_optax.rl.batching import loss_normalizer
-from grpo_optax.rl.batching import LossNormalizer
 from grpo_optax.rl.batching import select_groups
 from grpo_optax.rl.config import ADVANTAGE_ESTIMATORS
 from grpo_optax.rl.config import AGGREGATIONS
-from grpo_optax.rl.config import Config
 from grpo_optax.rl.config import KL_ESTIMATORS
 from grpo_optax.rl.config import PRESETS
 from grpo_optax.rl.config import RATIO_LEVELS
+from grpo_optax.rl.config import Config
 from grpo_optax.rl.losses import aggregate
 from grpo_optax.rl.losses import completion_mask
 from grpo_optax.rl.losses import kl_penalty
 from grpo_optax.rl.losses import policy_loss
 from grpo_optax.rl.losses import token_entropy
 from grpo_optax.rl.losses import token_log_probs
-from grpo_optax.rl.sampling import sample
 from grpo_optax.rl.sampling import Samples
+from grpo_optax.rl.sampling import sample
 from grpo_optax.rl.sampling import sampling_key
-from grpo_optax.rl.truncation import truncated_logits
 from grpo_optax.rl.truncation import Truncation
+from grpo_optax.rl.truncation import truncated_logits
 
 __all__ = (
-    "ADVANTAGE_ESTIMATORS",
-    "AGGREGATIONS",
-    "Config",
-    "KL_ESTIMATORS",
-    "LossNormalizer",
-    "PRESETS",
-    "RATIO_LEVELS",
-    "Samples",
-    "Truncation",
-    "aggregate",
-    "completion_mask",
-    "drop_zero_signal",
-    "group_advantages",
-    "group_rows",
-    "kl_penalty",
-    "loss_normalizer",
-    "policy_loss",
-    "sample",
-    "sampling_key",
-    "select_groups",
-    "token_entropy",
-    "token_log_probs",
-    "truncated_logits",
-    "zero_signal_groups",
+  "ADVANTAGE_ESTIMATORS",
+  "AGGREGATIONS",
+  "Config",
+  "KL_ESTIMATORS",
+  "LossNormalizer",
+  "PRESETS",
+  "RATIO_LEVELS",
+  "Samples",
+  "Truncation",
+  "aggregate",
+  "completion_mask",
+  "drop_zero_signal",
+  "group_advantages",
+  "group_rows",
+  "kl_penalty",
+  "loss_normalizer",
+  "policy_loss",
+  "sample",
+  "sampling_key",
+  "select_groups",
+  "token_entropy",
+  "token_log_probs",
+  "truncated_logits",
+  "zero_signal_groups",
 )

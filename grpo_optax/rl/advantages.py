@@ -43,13 +43,15 @@ def _as_rewards(rewards: jax.Array) -> jax.Array:
   rewards = jnp.asarray(rewards)
   if rewards.ndim != 2:
     raise ValueError(
-        f"rewards must have shape [num_prompts, group_size], got shape "
-        f"{rewards.shape}; reshape flat rewards with "
-        "rewards.reshape(-1, group_size).")
+      f"rewards must have shape [num_prompts, group_size], got shape "
+      f"{rewards.shape}; reshape flat rewards with "
+      "rewards.reshape(-1, group_size)."
+    )
   if rewards.shape[1] < 2:
     raise ValueError(
-        f"group_size (rewards.shape[1]) must be >= 2: a group of one "
-        f"completion has no relative signal; got shape {rewards.shape}.")
+      f"group_size (rewards.shape[1]) must be >= 2: a group of one "
+      f"completion has no relative signal; got shape {rewards.shape}."
+    )
   if not jnp.issubdtype(rewards.dtype, jnp.floating):
     rewards = rewards.astype(jnp.float32)
   return rewards
@@ -83,8 +85,9 @@ def zero_signal_groups(rewards: jax.Array) -> jax.Array:
   return ((jnp.sum(valid, axis=-1) < 2) | (high == low)) & ~infinite
 
 
-def group_advantages(rewards: jax.Array, *, estimator: str = "group_std",
-                     eps: float = 1e-6) -> jax.Array:
+def group_advantages(
+  rewards: jax.Array, *, estimator: str = "group_std", eps: float = 1e-6
+) -> jax.Array:
   r"""Advantages of ``G`` completions per prompt, relative to their group.
 
   With ``R`` the rewards of one group, ``n`` its valid (non-NaN) entries,
@@ -149,8 +152,9 @@ def group_advantages(rewards: jax.Array, *, estimator: str = "group_std",
   elif estimator == "batch_std":
     total = jnp.sum(n)
     batch_mean = jnp.sum(r0) / jnp.maximum(total, 1)
-    batch_var = jnp.sum(jnp.where(valid, rewards - batch_mean, 0)**2) / (
-        jnp.maximum(total - 1, 1))
+    batch_var = jnp.sum(jnp.where(valid, rewards - batch_mean, 0) ** 2) / (
+      jnp.maximum(total - 1, 1)
+    )
     adv = centered / (jnp.sqrt(batch_var) + jnp.asarray(eps, dtype))
   elif estimator == "rloo":
     adv = centered * (n / jnp.maximum(n - 1, 1))

@@ -55,9 +55,9 @@ class LossNormalizer(NamedTuple):
   num_tokens: jax.Array  # shape=(), float32
 
 
-def loss_normalizer(mask: jax.Array, *,
-                    axis_name: str | tuple[str, ...] | None = None
-                    ) -> LossNormalizer:
+def loss_normalizer(
+  mask: jax.Array, *, axis_name: str | tuple[str, ...] | None = None
+) -> LossNormalizer:
   r"""Counts of sequences and tokens of the whole batch.
 
   .. math:: S = \sum_i [\textstyle\sum_t m_{it} > 0], \qquad
@@ -86,18 +86,22 @@ def loss_normalizer(mask: jax.Array, *,
   num_sequences = jnp.sum(jnp.any(mask, axis=-1)).astype(jnp.float32)
   num_tokens = jnp.sum(mask).astype(jnp.float32)
   if axis_name is not None:
-    num_sequences, num_tokens = jax.lax.psum((num_sequences, num_tokens),
-                                             axis_name)
+    num_sequences, num_tokens = jax.lax.psum(
+      (num_sequences, num_tokens), axis_name
+    )
   return LossNormalizer(num_sequences, num_tokens)
 
 
 def _group_size(rewards: jax.Array, mask: jax.Array) -> int:
   if rewards.ndim != 2:
-    raise ValueError(f"rewards must have shape [num_prompts, group_size]; got "
-                     f"{rewards.shape}")
+    raise ValueError(
+      f"rewards must have shape [num_prompts, group_size]; got {rewards.shape}"
+    )
   if mask.ndim != 2 or mask.shape[0] != rewards.size:
-    raise ValueError(f"mask must have shape [num_prompts * group_size, T] = "
-                     f"[{rewards.size}, T]; got {mask.shape}")
+    raise ValueError(
+      f"mask must have shape [num_prompts * group_size, T] = "
+      f"[{rewards.size}, T]; got {mask.shape}"
+    )
   return rewards.shape[1]
 
 
@@ -128,8 +132,9 @@ def drop_zero_signal(mask: jax.Array, rewards: jax.Array) -> jax.Array:
   return mask & keep[:, None]
 
 
-def select_groups(rewards: jax.Array, num_groups: int
-                  ) -> tuple[jax.Array, jax.Array]:
+def select_groups(
+  rewards: jax.Array, num_groups: int
+) -> tuple[jax.Array, jax.Array]:
   """Picks ``num_groups`` groups of an over-sampled pool, signal first.
 
   Args:
@@ -152,13 +157,19 @@ def select_groups(rewards: jax.Array, num_groups: int
   """
   rewards = jnp.asarray(rewards)
   if rewards.ndim != 2:
-    raise ValueError(f"rewards must have shape [pool_size, group_size]; got "
-                     f"{rewards.shape}")
+    raise ValueError(
+      f"rewards must have shape [pool_size, group_size]; got {rewards.shape}"
+    )
   pool = rewards.shape[0]
-  if (isinstance(num_groups, bool) or not isinstance(num_groups, int)
-      or not 1 <= num_groups <= pool):
-    raise ValueError(f"num_groups must be an int in [1, pool_size = {pool}]; "
-                     f"got {num_groups!r}")
+  if (
+    isinstance(num_groups, bool)
+    or not isinstance(num_groups, int)
+    or not 1 <= num_groups <= pool
+  ):
+    raise ValueError(
+      f"num_groups must be an int in [1, pool_size = {pool}]; "
+      f"got {num_groups!r}"
+    )
   signal = ~zero_signal_groups(rewards)
   order = jnp.argsort(~signal, stable=True)[:num_groups].astype(jnp.int32)
   return order, signal[order]
@@ -166,7 +177,9 @@ def select_groups(rewards: jax.Array, num_groups: int
 
 def group_rows(indices: jax.Array, group_size: int) -> jax.Array:
   """Row indices ``[num_groups * G]`` of the completions of the groups
-  ``indices`` in a prompt-major batch (for ``x[group_rows(idx, G)]``)."""
+  ``indices`` in a prompt-major batch (for ``x[group_rows(idx, G)]``).
+  """
   indices = jnp.asarray(indices)
-  return (indices[:, None] * group_size
-          + jnp.arange(group_size, dtype=indices.dtype)).reshape(-1)
+  return (
+    indices[:, None] * group_size + jnp.arange(group_size, dtype=indices.dtype)
+  ).reshape(-1)

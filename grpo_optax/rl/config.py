@@ -25,45 +25,62 @@ import math
 from typing import Any
 
 ADVANTAGE_ESTIMATORS = ("group_std", "batch_std", "none", "rloo")
-AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm",
-                "seq-mean-token-sum")
+AGGREGATIONS = (
+  "seq-mean-token-mean",
+  "token-mean",
+  "seq-mean-token-sum-norm",
+  "seq-mean-token-sum",
+)
 KL_ESTIMATORS = ("k1", "k2", "k3")
 RATIO_LEVELS = ("token", "sequence")
 PRESETS = ("grpo", "dapo", "dr_grpo", "gspo")
 
 _PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
-    # DeepSeekMath: group-normalised advantages, PPO clip 0.2, per-sequence
-    # token mean, KL to the reference with the k3 estimator, beta = 0.04.
-    "grpo": {},
-    # DAPO: clip-higher (0.2 / 0.28), token-level loss, no KL term.
-    "dapo": {"clip_eps_high": 0.28, "aggregation": "token-mean", "beta": 0.0},
-    # Dr. GRPO: no std normalisation, no 1/|o| length normalisation (sum over
-    # tokens divided by a constant budget), no KL term.
-    "dr_grpo": {"advantage_estimator": "none",
-                "aggregation": "seq-mean-token-sum-norm", "beta": 0.0},
-    # GSPO: sequence-level (length-normalised) importance ratio with a narrow
-    # clip range, no KL term.
-    "gspo": {"ratio_level": "sequence", "clip_eps_low": 3e-4,
-             "clip_eps_high": 4e-4, "beta": 0.0},
+  # DeepSeekMath: group-normalised advantages, PPO clip 0.2, per-sequence
+  # token mean, KL to the reference with the k3 estimator, beta = 0.04.
+  "grpo": {},
+  # DAPO: clip-higher (0.2 / 0.28), token-level loss, no KL term.
+  "dapo": {"clip_eps_high": 0.28, "aggregation": "token-mean", "beta": 0.0},
+  # Dr. GRPO: no std normalisation, no 1/|o| length normalisation (sum over
+  # tokens divided by a constant budget), no KL term.
+  "dr_grpo": {
+    "advantage_estimator": "none",
+    "aggregation": "seq-mean-token-sum-norm",
+    "beta": 0.0,
+  },
+  # GSPO: sequence-level (length-normalised) importance ratio with a narrow
+  # clip range, no KL term.
+  "gspo": {
+    "ratio_level": "sequence",
+    "clip_eps_low": 3e-4,
+    "clip_eps_high": 4e-4,
+    "beta": 0.0,
+  },
 }
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
   if value not in choices:
-    raise ValueError(f"Config.{name} must be one of "
-                     f"{', '.join(map(repr, choices))}; got {value!r}")
+    raise ValueError(
+      f"Config.{name} must be one of "
+      f"{', '.join(map(repr, choices))}; got {value!r}"
+    )
 
 
-def _check_number(name: str, value: Any, *, low: float, low_open: bool,
-                  high: float = math.inf) -> None:
+def _check_number(
+  name: str, value: Any, *, low: float, low_open: bool, high: float = math.inf
+) -> None:
   if isinstance(value, bool) or not isinstance(value, (int, float)):
-    raise TypeError(f"Config.{name} must be a Python number (the config is "
-                    f"static); got {type(value).__name__}")
+    raise TypeError(
+      f"Config.{name} must be a Python number (the config is "
+      f"static); got {type(value).__name__}"
+    )
   ok = (value > low if low_open else value >= low) and value <= high
   if not ok or math.isnan(value):
     bound = f"({low:g}" if low_open else f"[{low:g}"
-    raise ValueError(f"Config.{name} must be in {bound}, {high:g}]; got "
-                     f"{value!r}")
+    raise ValueError(
+      f"Config.{name} must be in {bound}, {high:g}]; got {value!r}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,26 +127,30 @@ class Config:
   temperature: float = 1.0
 
   def __post_init__(self):
-    _check_choice("advantage_estimator", self.advantage_estimator,
-                  ADVANTAGE_ESTIMATORS)
+    _check_choice(
+      "advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS
+    )
     _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
     _check_choice("aggregation", self.aggregation, AGGREGATIONS)
     _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-    _check_number("advantage_eps", self.advantage_eps, low=0.0,
-                  low_open=False)
-    _check_number("clip_eps_low", self.clip_eps_low, low=0.0, low_open=False,
-                  high=1.0)
-    _check_number("clip_eps_high", self.clip_eps_high, low=0.0,
-                  low_open=False)
+    _check_number("advantage_eps", self.advantage_eps, low=0.0, low_open=False)
+    _check_number(
+      "clip_eps_low", self.clip_eps_low, low=0.0, low_open=False, high=1.0
+    )
+    _check_number("clip_eps_high", self.clip_eps_high, low=0.0, low_open=False)
     _check_number("beta", self.beta, low=0.0, low_open=False)
     _check_number("temperature", self.temperature, low=0.0, low_open=True)
     if self.dual_clip is not None:
       _check_number("dual_clip", self.dual_clip, low=1.0, low_open=True)
     if self.max_length is not None and (
-        isinstance(self.max_length, bool)
-        or not isinstance(self.max_length, int) or self.max_length < 1):
-      raise ValueError(f"Config.max_length must be None or an int >= 1; got "
-                       f"{self.max_length!r}")
+      isinstance(self.max_length, bool)
+      or not isinstance(self.max_length, int)
+      or self.max_length < 1
+    ):
+      raise ValueError(
+        f"Config.max_length must be None or an int >= 1; got "
+        f"{self.max_length!r}"
+      )
 
   @classmethod
   def preset(cls, name: str, **overrides: Any) -> Config:
@@ -144,11 +165,13 @@ class Config:
       'sequence'
     """
     if name not in _PRESET_OVERRIDES:
-      raise ValueError(f"preset must be one of "
-                       f"{', '.join(map(repr, PRESETS))}; got {name!r}")
+      raise ValueError(
+        f"preset must be one of {', '.join(map(repr, PRESETS))}; got {name!r}"
+      )
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-      raise TypeError(f"unknown Config field(s) {unknown}; fields are "
-                      f"{sorted(fields)}")
+      raise TypeError(
+        f"unknown Config field(s) {unknown}; fields are {sorted(fields)}"
+      )
     return cls(**{**_PRESET_OVERRIDES[name], **overrides})

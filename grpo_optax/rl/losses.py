@@ -18,17 +18,17 @@ is aggregated to a scalar by :func:`aggregate`.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from grpo_optax import _common
 from grpo_optax.rl.config import AGGREGATIONS
-from grpo_optax.rl.config import Config
 from grpo_optax.rl.config import KL_ESTIMATORS
-from grpo_optax.rl.truncation import truncated_logits
+from grpo_optax.rl.config import Config
 from grpo_optax.rl.truncation import Truncation
+from grpo_optax.rl.truncation import truncated_logits
 
 
 def _float32(x: jax.Array) -> jax.Array:
@@ -41,14 +41,19 @@ def _scaled_logits(logits: jax.Array, temperature) -> jax.Array:
   _common.check_range("temperature", temperature, 0.0, low_inclusive=False)
   logits = _float32(logits)
   if logits.ndim < 1:
-    raise ValueError(f"logits must have a vocabulary axis; got shape "
-                     f"{logits.shape}")
+    raise ValueError(
+      f"logits must have a vocabulary axis; got shape {logits.shape}"
+    )
   return logits / jnp.asarray(temperature, logits.dtype)
 
 
-def token_log_probs(logits: jax.Array, tokens: jax.Array,
-                    temperature: float = 1.0, *,
-                    truncation: Truncation | None = None) -> jax.Array:
+def token_log_probs(
+  logits: jax.Array,
+  tokens: jax.Array,
+  temperature: float = 1.0,
+  *,
+  truncation: Truncation | None = None,
+) -> jax.Array:
   r"""Log-probabilities of ``tokens`` under ``softmax(logits / temperature)``.
 
   .. math::
@@ -82,16 +87,22 @@ def token_log_probs(logits: jax.Array, tokens: jax.Array,
   scaled = truncated_logits(_scaled_logits(logits, temperature), truncation)
   tokens = jnp.asarray(tokens)
   if tokens.shape != scaled.shape[:-1]:
-    raise ValueError(f"tokens must have shape logits.shape[:-1] = "
-                     f"{scaled.shape[:-1]}; got {tokens.shape}")
+    raise ValueError(
+      f"tokens must have shape logits.shape[:-1] = "
+      f"{scaled.shape[:-1]}; got {tokens.shape}"
+    )
   if not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise TypeError(f"tokens must be integers; got {tokens.dtype}")
   picked = jnp.take_along_axis(scaled, tokens[..., None], axis=-1)[..., 0]
   return picked - jax.nn.logsumexp(scaled, axis=-1)
 
 
-def token_entropy(logits: jax.Array, temperature: float = 1.0, *,
-                  truncation: Truncation | None = None) -> jax.Array:
+def token_entropy(
+  logits: jax.Array,
+  temperature: float = 1.0,
+  *,
+  truncation: Truncation | None = None,
+) -> jax.Array:
   r"""Entropy of ``softmax(logits / temperature)`` at each position (nats).
 
   .. math:: H_t = -\sum_{v \in K_t} p_{t,v} \log p_{t,v}
@@ -112,15 +123,16 @@ def token_entropy(logits: jax.Array, temperature: float = 1.0, *,
     Array([1.3862944], dtype=float32)
   """
   log_p = jax.nn.log_softmax(
-      truncated_logits(_scaled_logits(logits, temperature), truncation),
-      axis=-1)
+    truncated_logits(_scaled_logits(logits, temperature), truncation), axis=-1
+  )
   kept = jnp.isfinite(log_p)
   log_p = jnp.where(kept, log_p, 0)  # 0 * -inf would be NaN
   return -jnp.sum(jnp.where(kept, jnp.exp(log_p) * log_p, 0), axis=-1)
 
 
-def completion_mask(completions: jax.Array,
-                    eos_id: int | Sequence[int]) -> jax.Array:
+def completion_mask(
+  completions: jax.Array, eos_id: int | Sequence[int]
+) -> jax.Array:
   """True up to and including the first end-of-sequence token of each row.
 
   Args:
@@ -141,8 +153,9 @@ def completion_mask(completions: jax.Array,
   """
   completions = jnp.asarray(completions)
   if completions.ndim != 2:
-    raise ValueError(f"completions must have shape [B, T]; got "
-                     f"{completions.shape}")
+    raise ValueError(
+      f"completions must have shape [B, T]; got {completions.shape}"
+    )
   ids = jnp.asarray(eos_id).reshape(-1)
   if ids.size == 0:
     raise ValueError("eos_id must name at least one token id.")
@@ -151,8 +164,9 @@ def completion_mask(completions: jax.Array,
   return eos_before == 0
 
 
-def kl_penalty(log_probs: jax.Array, ref_log_probs: jax.Array,
-               estimator: str = "k3") -> jax.Array:
+def kl_penalty(
+  log_probs: jax.Array, ref_log_probs: jax.Array, estimator: str = "k3"
+) -> jax.Array:
   r"""Per-token estimate of :math:`\mathrm{KL}(\pi_\theta \| \pi_{ref})`.
 
   With :math:`\delta = \ell_{ref} - \ell` at tokens sampled from
@@ -200,8 +214,10 @@ def kl_penalty(log_probs: jax.Array, ref_log_probs: jax.Array,
   _common.check_choice("estimator", estimator, KL_ESTIMATORS)
   log_probs, ref_log_probs = _float32(log_probs), _float32(ref_log_probs)
   if log_probs.shape != ref_log_probs.shape:
-    raise ValueError(f"ref_log_probs must have the shape of log_probs "
-                     f"{log_probs.shape}; got {ref_log_probs.shape}")
+    raise ValueError(
+      f"ref_log_probs must have the shape of log_probs "
+      f"{log_probs.shape}; got {ref_log_probs.shape}"
+    )
   delta = ref_log_probs - log_probs
   if estimator == "k1":
     return -delta
@@ -210,11 +226,15 @@ def kl_penalty(log_probs: jax.Array, ref_log_probs: jax.Array,
   return jnp.exp(delta) - delta - 1
 
 
-def aggregate(values: jax.Array, mask: jax.Array,
-              mode: str = "seq-mean-token-mean", *,
-              max_length: int | None = None,
-              num_sequences: jax.Array | float | None = None,
-              num_tokens: jax.Array | float | None = None) -> jax.Array:
+def aggregate(
+  values: jax.Array,
+  mask: jax.Array,
+  mode: str = "seq-mean-token-mean",
+  *,
+  max_length: int | None = None,
+  num_sequences: jax.Array | float | None = None,
+  num_tokens: jax.Array | float | None = None,
+) -> jax.Array:
   r"""Reduces per-token values ``[B, T]`` to a scalar.
 
   With :math:`x_{it}` the values, :math:`m_{it}` the mask, :math:`n_i =
@@ -259,13 +279,18 @@ def aggregate(values: jax.Array, mask: jax.Array,
   _common.check_choice("mode", mode, AGGREGATIONS)
   values, mask = _float32(values), jnp.asarray(mask)
   if values.ndim != 2 or mask.shape != values.shape:
-    raise ValueError(f"values and mask must both have shape [B, T]; got "
-                     f"{values.shape} and {mask.shape}")
-  if max_length is not None and (isinstance(max_length, bool) or
-                                 not isinstance(max_length, int) or
-                                 max_length < 1):
-    raise ValueError(f"max_length must be None or an int >= 1; got "
-                     f"{max_length!r}")
+    raise ValueError(
+      f"values and mask must both have shape [B, T]; got "
+      f"{values.shape} and {mask.shape}"
+    )
+  if max_length is not None and (
+    isinstance(max_length, bool)
+    or not isinstance(max_length, int)
+    or max_length < 1
+  ):
+    raise ValueError(
+      f"max_length must be None or an int >= 1; got {max_length!r}"
+    )
   mask = mask.astype(bool)
   x = jnp.where(mask, values, 0)
   lengths = jnp.sum(mask, axis=-1).astype(values.dtype)
@@ -286,24 +311,28 @@ def aggregate(values: jax.Array, mask: jax.Array,
   return jnp.sum(seq_sums) / (num_sequences * length)
 
 
-def _masked_stats(x: jax.Array, mask: jax.Array, prefix: str
-                  ) -> dict[str, jax.Array]:
+def _masked_stats(
+  x: jax.Array, mask: jax.Array, prefix: str
+) -> dict[str, jax.Array]:
   count = jnp.maximum(jnp.sum(mask), 1).astype(x.dtype)
   mean = jnp.sum(jnp.where(mask, x, 0)) / count
-  var = jnp.sum(jnp.where(mask, (x - mean)**2, 0)) / count
+  var = jnp.sum(jnp.where(mask, (x - mean) ** 2, 0)) / count
   any_valid = jnp.any(mask)
   return {
-      f"{prefix}_mean": mean,
-      f"{prefix}_std": jnp.sqrt(var),
-      f"{prefix}_min": jnp.where(any_valid,
-                                 jnp.min(jnp.where(mask, x, jnp.inf)), 0),
-      f"{prefix}_max": jnp.where(any_valid,
-                                 jnp.max(jnp.where(mask, x, -jnp.inf)), 0),
+    f"{prefix}_mean": mean,
+    f"{prefix}_std": jnp.sqrt(var),
+    f"{prefix}_min": jnp.where(
+      any_valid, jnp.min(jnp.where(mask, x, jnp.inf)), 0
+    ),
+    f"{prefix}_max": jnp.where(
+      any_valid, jnp.max(jnp.where(mask, x, -jnp.inf)), 0
+    ),
   }
 
 
-def _clipped_surrogate(log_ratio: jax.Array, adv: jax.Array, config: Config
-                       ) -> tuple[jax.Array, jax.Array]:
+def _clipped_surrogate(
+  log_ratio: jax.Array, adv: jax.Array, config: Config
+) -> tuple[jax.Array, jax.Array]:
   r"""Per-token clipped loss and the ratio, with the unclipped gradient at ties.
 
   :math:`\max(-Ar, -A\,\mathrm{clip}(r, lo, hi))` equals the constant
@@ -335,23 +364,24 @@ def _clipped_surrogate(log_ratio: jax.Array, adv: jax.Array, config: Config
 
 def _check_shape(name: str, x: jax.Array, shape: tuple[int, ...]) -> None:
   if x.shape != shape:
-    raise ValueError(f"{name} must have shape {shape} (that of log_probs); "
-                     f"got {x.shape}")
+    raise ValueError(
+      f"{name} must have shape {shape} (that of log_probs); got {x.shape}"
+    )
 
 
 def policy_loss(
-    log_probs: jax.Array,
-    old_log_probs: jax.Array | None,
-    advantages: jax.Array,
-    mask: jax.Array,
-    *,
-    config: Config | str = "grpo",
-    ref_log_probs: jax.Array | None = None,
-    entropy: jax.Array | None = None,
-    group_size: int | None = None,
-    num_sequences: jax.Array | float | None = None,
-    num_tokens: jax.Array | float | None = None,
-    normalizer: tuple[jax.Array, jax.Array] | None = None,
+  log_probs: jax.Array,
+  old_log_probs: jax.Array | None,
+  advantages: jax.Array,
+  mask: jax.Array,
+  *,
+  config: Config | str = "grpo",
+  ref_log_probs: jax.Array | None = None,
+  entropy: jax.Array | None = None,
+  group_size: int | None = None,
+  num_sequences: jax.Array | float | None = None,
+  num_tokens: jax.Array | float | None = None,
+  normalizer: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   r"""The clipped group-relative policy loss (GRPO, DAPO, Dr. GRPO, GSPO).
 
@@ -442,12 +472,13 @@ def policy_loss(
   if isinstance(config, str):
     config = Config.preset(config)
   if not isinstance(config, Config):
-    raise TypeError(f"config must be a grpo_optax.rl.Config or a preset name; "
-                    f"got {type(config).__name__}")
+    raise TypeError(
+      f"config must be a grpo_optax.rl.Config or a preset name; "
+      f"got {type(config).__name__}"
+    )
   log_probs = _float32(log_probs)
   if log_probs.ndim != 2:
-    raise ValueError(f"log_probs must have shape [B, T]; got "
-                     f"{log_probs.shape}")
+    raise ValueError(f"log_probs must have shape [B, T]; got {log_probs.shape}")
   shape = log_probs.shape
   mask = jnp.asarray(mask)
   _check_shape("mask", mask, shape)
@@ -464,17 +495,27 @@ def policy_loss(
     per_sequence_adv = False
     adv = advantages
   else:
-    raise ValueError(f"advantages must have shape [B] = {shape[:1]} or "
-                     f"[B, T] = {shape}; got {advantages.shape}")
+    raise ValueError(
+      f"advantages must have shape [B] = {shape[:1]} or "
+      f"[B, T] = {shape}; got {advantages.shape}"
+    )
   if config.beta > 0 and ref_log_probs is None:
-    raise ValueError(f"config.beta = {config.beta} > 0 needs ref_log_probs "
-                     "(log-probabilities under the reference policy); pass "
-                     "them or use beta=0.")
-  if group_size is not None:
-    if (isinstance(group_size, bool) or not isinstance(group_size, int)
-        or group_size < 1 or shape[0] % group_size):
-      raise ValueError(f"group_size must be an int >= 1 dividing the batch "
-                       f"size {shape[0]}; got {group_size!r}")
+    raise ValueError(
+      f"config.beta = {config.beta} > 0 needs ref_log_probs "
+      "(log-probabilities under the reference policy); pass "
+      "them or use beta=0."
+    )
+  if group_size is not None:  # noqa: SIM102
+    if (
+      isinstance(group_size, bool)
+      or not isinstance(group_size, int)
+      or group_size < 1
+      or shape[0] % group_size
+    ):
+      raise ValueError(
+        f"group_size must be an int >= 1 dividing the batch "
+        f"size {shape[0]}; got {group_size!r}"
+      )
 
   # Masked positions are replaced before any arithmetic, so that padding
   # garbage (NaN, huge values) cannot reach the loss or its gradient.
@@ -485,8 +526,9 @@ def policy_loss(
   if config.ratio_level == "sequence":
     lengths = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1)
     seq_log_ratio = jnp.sum(log_ratio, axis=-1, keepdims=True) / lengths
-    log_ratio = logp - jax.lax.stop_gradient(logp) + jax.lax.stop_gradient(
-        seq_log_ratio)
+    log_ratio = (
+      logp - jax.lax.stop_gradient(logp) + jax.lax.stop_gradient(seq_log_ratio)
+    )
   per_token, ratio = _clipped_surrogate(log_ratio, adv, config)
   low, high = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
   metrics = {}
@@ -494,12 +536,18 @@ def policy_loss(
     metrics["clip_fraction_dual"] = (adv < 0) & (ratio > config.dual_clip)
   if normalizer is not None:
     if num_sequences is not None or num_tokens is not None:
-      raise ValueError("pass either normalizer or num_sequences/num_tokens, "
-                       "not both")
+      raise ValueError(
+        "pass either normalizer or num_sequences/num_tokens, not both"
+      )
     num_sequences, num_tokens = normalizer
-  agg = lambda x: aggregate(x, mask, config.aggregation,
-                            max_length=config.max_length,
-                            num_sequences=num_sequences, num_tokens=num_tokens)
+  agg = lambda x: aggregate(
+    x,
+    mask,
+    config.aggregation,
+    max_length=config.max_length,
+    num_sequences=num_sequences,
+    num_tokens=num_tokens,
+  )
   pg_loss = agg(per_token)
   loss = pg_loss
   if ref_log_probs is not None:
@@ -523,8 +571,11 @@ def policy_loss(
     entropy = _float32(entropy)
     _check_shape("entropy", entropy, shape)
     metrics["entropy"] = entropy
-  out = {name: token_mean(sg(value).astype(ratio.dtype))
-         for name, value in metrics.items() if name != "kl_loss"}
+  out = {
+    name: token_mean(sg(value).astype(ratio.dtype))
+    for name, value in metrics.items()
+    if name != "kl_loss"
+  }
   if "kl_loss" in metrics:
     out["kl_loss"] = sg(metrics["kl_loss"])
   out["loss"] = sg(loss)
@@ -538,6 +589,7 @@ def policy_loss(
     out.update(_masked_stats(adv, mask, "advantage"))
   if group_size is not None:
     silent = jnp.all(adv == 0, axis=-1).reshape(-1, group_size)
-    out["zero_signal_fraction"] = jnp.mean(jnp.all(silent, axis=-1).astype(
-        ratio.dtype))
+    out["zero_signal_fraction"] = jnp.mean(
+      jnp.all(silent, axis=-1).astype(ratio.dtype)
+    )
   return loss, out

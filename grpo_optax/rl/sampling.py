@@ -44,7 +44,10 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +62,9 @@ class Samples(NamedTuple):
 
   tokens: jax.Array  # [B, P + N] int32: the prompt, then the completion
   completions: jax.Array  # [B, N] int32: pad_id after the first EOS
-  log_probs: jax.Array  # [B, N] float32: log p(token) at the temperature; 0 when masked
+  log_probs: (
+    jax.Array
+  )  # [B, N] float32: log p(token) at the temperature; 0 when masked
   mask: jax.Array  # [B, N] bool: up to and including the first EOS
 
 
@@ -80,8 +85,10 @@ def _decoder_fn(model: Any) -> Callable[[jax.Array], jax.Array]:
     return lambda tokens: nnx.merge(graphdef, state)(tokens)
   if callable(model):
     return model
-  raise TypeError(f"model must be a Flax NNX module or a callable tokens -> "
-                  f"logits; got {type(model).__name__}")
+  raise TypeError(
+    f"model must be a Flax NNX module or a callable tokens -> "
+    f"logits; got {type(model).__name__}"
+  )
 
 
 def _cached_decoder_fn(model: Any) -> Callable[..., tuple[jax.Array, Any]]:
@@ -90,9 +97,11 @@ def _cached_decoder_fn(model: Any) -> Callable[..., tuple[jax.Array, Any]]:
   if nnx is not None and isinstance(model, nnx.Module):
     graphdef, state = nnx.split(model)
     return lambda tokens, cache, position: nnx.merge(graphdef, state)(
-        tokens, cache=cache, position=position)
-  return lambda tokens, cache, position: model(tokens, cache=cache,
-                                               position=position)
+      tokens, cache=cache, position=position
+    )
+  return lambda tokens, cache, position: model(
+    tokens, cache=cache, position=position
+  )
 
 
 def _use_cache(model: Any, kv_cache: bool | None) -> bool:
@@ -100,40 +109,59 @@ def _use_cache(model: Any, kv_cache: bool | None) -> bool:
   if kv_cache is None:
     return has_cache
   if kv_cache and not has_cache:
-    raise TypeError(f"kv_cache=True needs a model with init_cache(batch_size, "
-                    f"max_length) and __call__(tokens, cache=, position=); "
-                    f"{type(model).__name__} has no init_cache")
+    raise TypeError(
+      f"kv_cache=True needs a model with init_cache(batch_size, "
+      f"max_length) and __call__(tokens, cache=, position=); "
+      f"{type(model).__name__} has no init_cache"
+    )
   return bool(kv_cache)
 
 
 def _check_logits(logits: jax.Array, batch: int, length: int) -> None:
   if logits.ndim != 3 or logits.shape[:2] != (batch, length):
-    raise ValueError(f"model(tokens[{batch}, {length}]) must return logits "
-                     f"[{batch}, {length}, V]; got {logits.shape}")
+    raise ValueError(
+      f"model(tokens[{batch}, {length}]) must return logits "
+      f"[{batch}, {length}, V]; got {logits.shape}"
+    )
 
 
-def _draw(logits: jax.Array, key: jax.Array, t: jax.Array, *,
-          temperature: float, truncation: truncation_lib.Truncation,
-          greedy: bool) -> tuple[jax.Array, jax.Array]:
+def _draw(
+  logits: jax.Array,
+  key: jax.Array,
+  t: jax.Array,
+  *,
+  temperature: float,
+  truncation: truncation_lib.Truncation,
+  greedy: bool,
+) -> tuple[jax.Array, jax.Array]:
   """The token of position ``t`` and its log-probability, from ``[B, V]``."""
   scaled = truncation_lib.truncated_logits(
-      losses._scaled_logits(logits, temperature), truncation)  # pylint: disable=protected-access
+    losses._scaled_logits(logits, temperature), truncation
+  )  # pylint: disable=protected-access
   if greedy:
     new = jnp.argmax(scaled, axis=-1)
   else:
     new = jax.random.categorical(jax.random.fold_in(key, t), scaled)
   new = new.astype(jnp.int32)
-  return new, losses.token_log_probs(logits, new, temperature,
-                                     truncation=truncation)
+  return new, losses.token_log_probs(
+    logits, new, temperature, truncation=truncation
+  )
 
 
-def sample(model: Any, prompts: jax.Array, *, max_new_tokens: int,
-           seed: int | jax.Array, step: int | jax.Array,
-           temperature: float = 1.0, greedy: bool = False,
-           eos_id: int | Sequence[int] | None = None,
-           pad_id: int = 0,
-           truncation: truncation_lib.Truncation | None = None,
-           kv_cache: bool | None = None) -> Samples:
+def sample(
+  model: Any,
+  prompts: jax.Array,
+  *,
+  max_new_tokens: int,
+  seed: int | jax.Array,
+  step: int | jax.Array,
+  temperature: float = 1.0,
+  greedy: bool = False,
+  eos_id: int | Sequence[int] | None = None,
+  pad_id: int = 0,
+  truncation: truncation_lib.Truncation | None = None,
+  kv_cache: bool | None = None,
+) -> Samples:
   r"""Samples ``max_new_tokens`` tokens after each prompt.
 
   At position ``t`` the token is drawn from
@@ -180,15 +208,20 @@ def sample(model: Any, prompts: jax.Array, *, max_new_tokens: int,
     >>> jnp.exp(out.log_probs[0])
     Array([0.9, 0.8, 0.9], dtype=float32)
   """
-  if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-      or max_new_tokens < 1):
-    raise ValueError(f"max_new_tokens must be an int >= 1; got "
-                     f"{max_new_tokens!r}")
+  if (
+    isinstance(max_new_tokens, bool)
+    or not isinstance(max_new_tokens, int)
+    or max_new_tokens < 1
+  ):
+    raise ValueError(
+      f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}"
+    )
   _common.check_range("temperature", temperature, 0.0, low_inclusive=False)
   prompts = jnp.asarray(prompts)
   if prompts.ndim != 2 or prompts.shape[1] < 1:
-    raise ValueError(f"prompts must have shape [B, P] with P >= 1; got "
-                     f"{prompts.shape}")
+    raise ValueError(
+      f"prompts must have shape [B, P] with P >= 1; got {prompts.shape}"
+    )
   if not jnp.issubdtype(prompts.dtype, jnp.integer):
     raise TypeError(f"prompts must be integer tokens; got {prompts.dtype}")
   truncation = truncation_lib._as_truncation(truncation)  # pylint: disable=protected-access
@@ -197,10 +230,16 @@ def sample(model: Any, prompts: jax.Array, *, max_new_tokens: int,
   length = prompt_len + max_new_tokens
   eos = None if eos_id is None else jnp.asarray(eos_id, jnp.int32).reshape(-1)
   buffer = jnp.concatenate(
-      [prompts, jnp.full((batch, max_new_tokens), pad_id, jnp.int32)], axis=1)
+    [prompts, jnp.full((batch, max_new_tokens), pad_id, jnp.int32)], axis=1
+  )
   key = sampling_key(seed, step)
-  draw = functools.partial(_draw, key=key, temperature=temperature,
-                           truncation=truncation, greedy=greedy)
+  draw = functools.partial(
+    _draw,
+    key=key,
+    temperature=temperature,
+    truncation=truncation,
+    greedy=greedy,
+  )
 
   def finish(new, log_prob, done):
     new = jnp.where(done, pad_id, new)
@@ -211,21 +250,24 @@ def sample(model: Any, prompts: jax.Array, *, max_new_tokens: int,
 
   if _use_cache(model, kv_cache):
     decode = _cached_decoder_fn(model)
-    logits, cache = decode(prompts, model.init_cache(batch, length),
-                           jnp.zeros((), jnp.int32))
+    logits, cache = decode(
+      prompts, model.init_cache(batch, length), jnp.zeros((), jnp.int32)
+    )
     _check_logits(logits, batch, prompt_len)
 
     def cached_body(carry, t):
       tokens, done, logits, cache = carry
       new, log_prob, done = finish(*draw(logits, t=t), done)
       tokens = jax.lax.dynamic_update_slice_in_dim(
-          tokens, new[:, None], prompt_len + t, axis=1)
+        tokens, new[:, None], prompt_len + t, axis=1
+      )
       next_logits, cache = decode(new[:, None], cache, prompt_len + t)
       return (tokens, done, next_logits[:, -1], cache), (new, log_prob)
 
     carry = (buffer, jnp.zeros((batch,), bool), logits[:, -1], cache)
     (tokens, *_), (new, log_probs) = jax.lax.scan(
-        cached_body, carry, jnp.arange(max_new_tokens, dtype=jnp.int32))
+      cached_body, carry, jnp.arange(max_new_tokens, dtype=jnp.int32)
+    )
   else:
     decode = _decoder_fn(model)
 
@@ -233,18 +275,26 @@ def sample(model: Any, prompts: jax.Array, *, max_new_tokens: int,
       tokens, done = carry
       logits = decode(tokens)
       _check_logits(logits, batch, length)
-      logits = jax.lax.dynamic_index_in_dim(logits, prompt_len + t - 1,
-                                            axis=1, keepdims=False)
+      logits = jax.lax.dynamic_index_in_dim(
+        logits, prompt_len + t - 1, axis=1, keepdims=False
+      )
       new, log_prob, done = finish(*draw(logits, t=t), done)
       tokens = jax.lax.dynamic_update_slice_in_dim(
-          tokens, new[:, None], prompt_len + t, axis=1)
+        tokens, new[:, None], prompt_len + t, axis=1
+      )
       return (tokens, done), (new, log_prob)
 
     (tokens, _), (new, log_probs) = jax.lax.scan(
-        body, (buffer, jnp.zeros((batch,), bool)),
-        jnp.arange(max_new_tokens, dtype=jnp.int32))
+      body,
+      (buffer, jnp.zeros((batch,), bool)),
+      jnp.arange(max_new_tokens, dtype=jnp.int32),
+    )
   completions = new.T
-  mask = (jnp.ones(completions.shape, bool) if eos is None
-          else losses.completion_mask(completions, eos))
-  return Samples(tokens=tokens, completions=completions, log_probs=log_probs.T,
-                 mask=mask)
+  mask = (
+    jnp.ones(completions.shape, bool)
+    if eos is None
+    else losses.completion_mask(completions, eos)
+  )
+  return Samples(
+    tokens=tokens, completions=completions, log_probs=log_probs.T, mask=mask
+  )

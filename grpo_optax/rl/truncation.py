@@ -59,37 +59,46 @@ class Truncation:
   min_p: float | None = None
 
   def __post_init__(self):
-    if self.top_k is not None and (isinstance(self.top_k, bool) or
-                                   not isinstance(self.top_k, int) or
-                                   self.top_k < 1):
-      raise ValueError(f"Truncation.top_k must be None or an int >= 1; got "
-                       f"{self.top_k!r}")
+    if self.top_k is not None and (
+      isinstance(self.top_k, bool)
+      or not isinstance(self.top_k, int)
+      or self.top_k < 1
+    ):
+      raise ValueError(
+        f"Truncation.top_k must be None or an int >= 1; got {self.top_k!r}"
+      )
     for name, low_open in (("top_p", True), ("min_p", False)):
       value = getattr(self, name)
       if value is None:
         continue
       if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Truncation.{name} must be None or a Python number; "
-                        f"got {type(value).__name__}")
+        raise TypeError(
+          f"Truncation.{name} must be None or a Python number; "
+          f"got {type(value).__name__}"
+        )
       ok = (value > 0 if low_open else value >= 0) and value <= 1
       if not ok or math.isnan(value):
         bound = "(0, 1]" if low_open else "[0, 1]"
-        raise ValueError(f"Truncation.{name} must be None or in {bound}; got "
-                         f"{value!r}")
+        raise ValueError(
+          f"Truncation.{name} must be None or in {bound}; got {value!r}"
+        )
 
   @property
   def active(self) -> bool:
     """Whether any filter is set."""
-    return (self.top_k is not None or self.top_p is not None or
-            self.min_p is not None)
+    return (
+      self.top_k is not None or self.top_p is not None or self.min_p is not None
+    )
 
 
 def _as_truncation(truncation: Truncation | None) -> Truncation:
   if truncation is None:
     return Truncation()
   if not isinstance(truncation, Truncation):
-    raise TypeError(f"truncation must be a grpo_optax.rl.Truncation or None; "
-                    f"got {type(truncation).__name__}")
+    raise TypeError(
+      f"truncation must be a grpo_optax.rl.Truncation or None; "
+      f"got {type(truncation).__name__}"
+    )
   return truncation
 
 
@@ -105,8 +114,9 @@ def _top_p(z: jax.Array, p: float) -> jax.Array:
   probs = jax.nn.softmax(sorted_z, axis=-1)
   mass_before = jnp.cumsum(probs, axis=-1) - probs
   kept = mass_before < p  # the first entry: 0 < p, always kept
-  threshold = jnp.min(jnp.where(kept, sorted_z, jnp.inf), axis=-1,
-                      keepdims=True)
+  threshold = jnp.min(
+    jnp.where(kept, sorted_z, jnp.inf), axis=-1, keepdims=True
+  )
   return jnp.where(z >= threshold, z, -jnp.inf)
 
 
@@ -118,8 +128,9 @@ def _min_p(z: jax.Array, min_p: float) -> jax.Array:
   return jnp.where(z >= threshold, z, -jnp.inf)
 
 
-def truncated_logits(scaled_logits: jax.Array,
-                     truncation: Truncation | None) -> jax.Array:
+def truncated_logits(
+  scaled_logits: jax.Array, truncation: Truncation | None
+) -> jax.Array:
   """Sets the logits of the tokens the truncation drops to ``-inf``.
 
   Args:

@@ -21,71 +21,71 @@ turns a Flax NNX model into that form (Flax is imported only there).
 """
 
 from grpo_optax.training._nnx import PureModel
+from grpo_optax.training._nnx import split_model
+from grpo_optax.training.distributed import EXCHANGES
+from grpo_optax.training.distributed import DataParallelState
+from grpo_optax.training.distributed import DataParallelStep
 from grpo_optax.training.distributed import collective_bytes
 from grpo_optax.training.distributed import collective_ops
 from grpo_optax.training.distributed import data_parallel_step
-from grpo_optax.training.distributed import DataParallelState
-from grpo_optax.training.distributed import DataParallelStep
-from grpo_optax.training.distributed import EXCHANGES
-from grpo_optax.training.exchange import ExchangeState
-from grpo_optax.training.exchange import init_exchange
 from grpo_optax.training.distributed import ring_traffic
 from grpo_optax.training.distributed import sparse_pmean
-from grpo_optax.training._nnx import split_model
+from grpo_optax.training.exchange import ExchangeState
+from grpo_optax.training.exchange import init_exchange
 from grpo_optax.training.freezing import FrozenStep
 from grpo_optax.training.freezing import frozen_train_step
 from grpo_optax.training.hierarchical import DEFAULT_NONCORE_PATTERN
-from grpo_optax.training.hierarchical import default_is_core
-from grpo_optax.training.hierarchical import hierarchical_step
 from grpo_optax.training.hierarchical import HierarchicalState
 from grpo_optax.training.hierarchical import HierarchicalStep
-from grpo_optax.training.immediate import layerwise_train_step
+from grpo_optax.training.hierarchical import default_is_core
+from grpo_optax.training.hierarchical import hierarchical_step
 from grpo_optax.training.immediate import LayerwiseState
 from grpo_optax.training.immediate import LayerwiseStep
-from grpo_optax.training.immediate import stacked_loss_fn
 from grpo_optax.training.immediate import StackedParams
+from grpo_optax.training.immediate import layerwise_train_step
+from grpo_optax.training.immediate import stacked_loss_fn
 from grpo_optax.training.immediate import train_step
+from grpo_optax.training.local_steps import LocalSteps
+from grpo_optax.training.local_steps import LocalStepsState
 from grpo_optax.training.local_steps import default_outer_optimizer
 from grpo_optax.training.local_steps import exchange_mean
 from grpo_optax.training.local_steps import int8_levels
 from grpo_optax.training.local_steps import local_steps_step
-from grpo_optax.training.local_steps import LocalSteps
-from grpo_optax.training.local_steps import LocalStepsState
 from grpo_optax.training.local_steps import outer_step
 from grpo_optax.training.local_steps import round_traffic_per_step
 
 __all__ = (
-    "DEFAULT_NONCORE_PATTERN",
-    "DataParallelState",
-    "DataParallelStep",
-    "EXCHANGES",
-    "ExchangeState",
-    "FrozenStep",
-    "HierarchicalState",
-    "HierarchicalStep",
-    "LayerwiseState",
-    "LayerwiseStep",
-    "LocalSteps",
-    "LocalStepsState",
-    "PureModel",
-    "StackedParams",
-    "collective_bytes",
-    "collective_ops",
-    "data_parallel_step",
-    "default_is_core",
-    "default_outer_optimizer",
-    "exchange_mean",
-    "frozen_train_step",
-    "hierarchical_step",
-    "init_exchange",
-    "int8_levels",
-    "layerwise_train_step",
-    "local_steps_step",
-    "outer_step",
-    "ring_traffic",
-    "round_traffic_per_step",
-    "sparse_pmean",
-    "split_model",
-    "stacked_loss_fn",
-    "train_step",
+  "DEFAULT_NONCORE_PATTERN",
+  "DataParallelState",
+  "DataParallelStep",
+  "EXCHANGES",
+  "ExchangeState",
+  "FrozenStep",
+  "HierarchicalState",
+  "HierarchicalStep",
+  "LayerwiseState",
+  "LayerwiseStep",
+  "LocalSteps",
+  "LocalStepsState",
+  "PureModel",
+  "StackedParams",
+  "collective_bytes",
+  "collective_ops",
+  "data_parallel_step",
+  "default_is_core",
+  "default_outer_optimizer",
+  "exchange_mean",
+  "frozen_train_step",
+  "hierarchical_step",
+  "init_exchange",
+  "int8_levels",
+  "layerwise_train_step",
+  "local_steps_step",
+  "outer_step",
+  "ring_traffic",
+  "round_traffic_per_step",
+  "sparse_pmean",
+  "split_model",
+  "stacked_loss_fn",
+  "train_step",
 )

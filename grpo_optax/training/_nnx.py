@@ -6,7 +6,9 @@ on it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
 
 
 class PureModel(NamedTuple):
@@ -19,13 +21,15 @@ class PureModel(NamedTuple):
     update_model: ``update_model(params)`` writes parameters back into the
       model (``nnx.update``) and returns the model.
   """
+
   loss_fn: Callable[[Any, Any], Any]
   params: Any
   update_model: Callable[[Any], Any]
 
 
-def split_model(model: Any, loss_fn: Callable[[Any, Any], Any], *,
-                wrt: Any = None) -> PureModel:
+def split_model(
+  model: Any, loss_fn: Callable[[Any, Any], Any], *, wrt: Any = None
+) -> PureModel:
   """Splits an NNX ``model`` for the steps of :mod:`grpo_optax.training`.
 
   Args:

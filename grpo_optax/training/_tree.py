@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any, Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -36,12 +38,16 @@ def leaf_paths(tree: Any) -> list[str]:
 
 def _as_bool(value: Any, name: str) -> bool:
   if isinstance(value, jax.core.Tracer):
-    raise ValueError(f"`{name}` must hold concrete booleans, got a traced value;"
-                     " compute the mask outside jit.")
+    raise ValueError(
+      f"`{name}` must hold concrete booleans, got a traced value;"
+      " compute the mask outside jit."
+    )
   arr = np.asarray(value)
   if arr.shape != () or arr.dtype != np.bool_:
-    raise ValueError(f"`{name}` must be a tree of scalar booleans; got a leaf of"
-                     f" dtype {arr.dtype} and shape {arr.shape}.")
+    raise ValueError(
+      f"`{name}` must be a tree of scalar booleans; got a leaf of"
+      f" dtype {arr.dtype} and shape {arr.shape}."
+    )
   return bool(arr)
 
 
@@ -71,8 +77,9 @@ def resolve_mask(rule: Rule, params: Any, *, name: str) -> tuple[bool, ...]:
   mask_leaves, mask_def = jax.tree.flatten(rule)
   if mask_def != treedef:
     raise ValueError(
-        f"`{name}` must have the structure of the params; got {mask_def},"
-        f" params have {treedef}.")
+      f"`{name}` must have the structure of the params; got {mask_def},"
+      f" params have {treedef}."
+    )
   return tuple(_as_bool(m, name) for m in mask_leaves)
 
 
@@ -94,30 +101,38 @@ def check_fraction(name: str, value: Any) -> float:
   try:
     v = float(value)
   except (TypeError, ValueError):
-    raise ValueError(f"`{name}` must be a float in [0, 1), got {value!r}.") from None
+    raise ValueError(
+      f"`{name}` must be a float in [0, 1), got {value!r}."
+    ) from None
   if not 0.0 <= v < 1.0:
     raise ValueError(f"`{name}` must be a float in [0, 1), got {v}.")
   return v
 
 
-def split_leaves(leaves: Sequence[Any], mask: Sequence[bool]
-                 ) -> tuple[list[Any], list[Any]]:
+def split_leaves(
+  leaves: Sequence[Any], mask: Sequence[bool]
+) -> tuple[list[Any], list[Any]]:
   """Splits ``leaves`` into ``(selected, rest)`` by the static ``mask``."""
   sel = [x for x, m in zip(leaves, mask) if m]
   rest = [x for x, m in zip(leaves, mask) if not m]
   return sel, rest
 
 
-def merge_leaves(selected: Sequence[Any], rest: Sequence[Any],
-                 mask: Sequence[bool]) -> list[Any]:
+def merge_leaves(
+  selected: Sequence[Any], rest: Sequence[Any], mask: Sequence[bool]
+) -> list[Any]:
   """Inverse of :func:`split_leaves`."""
   it_sel, it_rest = iter(selected), iter(rest)
   return [next(it_sel) if m else next(it_rest) for m in mask]
 
 
-def value_and_grad_subset(loss_fn: Callable[..., Any], params: Any,
-                          mask: Sequence[bool], *args: Any,
-                          has_aux: bool = False):
+def value_and_grad_subset(
+  loss_fn: Callable[..., Any],
+  params: Any,
+  mask: Sequence[bool],
+  *args: Any,
+  has_aux: bool = False,
+):
   """Value and gradient of ``loss_fn(params, *args)`` w.r.t. the masked leaves.
 
   The unselected leaves enter the loss as constants (closed over), so the
@@ -139,8 +154,9 @@ def value_and_grad_subset(loss_fn: Callable[..., Any], params: Any,
   """
   leaves, treedef = jax.tree.flatten(params)
   if len(mask) != len(leaves):
-    raise ValueError(f"mask has {len(mask)} entries, params have"
-                     f" {len(leaves)} leaves.")
+    raise ValueError(
+      f"mask has {len(mask)} entries, params have {len(leaves)} leaves."
+    )
   selected, rest = split_leaves(leaves, mask)
 
   def partial_loss(sel):

@@ -42,7 +42,8 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -99,12 +100,14 @@ def _from_bytes(b: jax.Array, dtype: Any) -> jax.Array:
   if size == 1:
     return jax.lax.bitcast_convert_type(b, dtype)
   return jax.lax.bitcast_convert_type(
-      b.reshape(b.shape[:-1] + (b.shape[-1] // size, size)), dtype)
+    b.reshape(b.shape[:-1] + (b.shape[-1] // size, size)), dtype
+  )
 
 
 def _encode_values(v: jax.Array, values: str):
   """``(parts, decoded)``: byte parts of ``v``'s payload and what it decodes
-  to (float32), for one replica's kept values of one leaf."""
+  to (float32), for one replica's kept values of one leaf.
+  """
   v = v.astype(jnp.float32)
   if values == "float32":
     return [_to_bytes(v)], v
@@ -123,8 +126,8 @@ def _decode_values(b: jax.Array, count: int, values: str) -> jax.Array:
     return _from_bytes(b, jnp.float32)
   if values == "bfloat16":
     return _from_bytes(b, jnp.bfloat16).astype(jnp.float32)
-  scale = _from_bytes(b[:, :4], jnp.float32)           # (W, 1)
-  q = _from_bytes(b[:, 4:4 + count], jnp.int8).astype(jnp.float32)
+  scale = _from_bytes(b[:, :4], jnp.float32)  # (W, 1)
+  q = _from_bytes(b[:, 4 : 4 + count], jnp.int8).astype(jnp.float32)
   return q * scale
 
 
@@ -143,7 +146,7 @@ class _Layout:
     self.size = size
     self.block = min(size, BLOCK) if indices == "compact" else size
     self.blocks = -(-size // self.block)
-    self.kept = num_kept(self.block, fraction)        # Per block.
+    self.kept = num_kept(self.block, fraction)  # Per block.
     count = self.blocks * self.kept
     self.value_bytes = value_bytes(count, values)
     if indices == "int32":
@@ -162,8 +165,9 @@ def _encode_indices(idx: jax.Array, layout: _Layout) -> jax.Array:
   if layout.index == "uint16":
     return _to_bytes(idx.astype(jnp.uint16))
   rows = jnp.arange(layout.blocks)[:, None]
-  bits = jnp.zeros((layout.blocks, layout.block), jnp.bool_).at[
-      rows, idx].set(True)
+  bits = (
+    jnp.zeros((layout.blocks, layout.block), jnp.bool_).at[rows, idx].set(True)
+  )
   return jnp.packbits(bits, axis=1).reshape(-1)
 
 
@@ -176,7 +180,8 @@ def _decode_indices(b: jax.Array, layout: _Layout) -> jax.Array:
     out = _from_bytes(b, jnp.uint16).astype(jnp.int32)
   else:
     bits = jnp.unpackbits(b.reshape(w, layout.blocks, -1), axis=2)[
-        ..., :layout.block]
+      ..., : layout.block
+    ]
     # The set bits in ascending order: the largest keys block - position.
     key = bits.astype(jnp.int32) * (layout.block - jnp.arange(layout.block))
     out = jnp.sort(jax.lax.top_k(key, layout.kept)[1], axis=-1)
@@ -186,18 +191,22 @@ def _decode_indices(b: jax.Array, layout: _Layout) -> jax.Array:
 def _select_leaf(x: jax.Array, layout: _Layout, values: str):
   """One leaf: ``(bytes, decoded, idx, blocks)`` of the top entries."""
   blocks = jnp.pad(x, (0, layout.blocks * layout.block - x.size)).reshape(
-      layout.blocks, layout.block)
+    layout.blocks, layout.block
+  )
   _, idx = jax.lax.top_k(jnp.abs(blocks), layout.kept)
   idx = jnp.sort(idx, axis=1)
-  parts, decoded = _encode_values(jnp.take_along_axis(blocks, idx, 1),
-                                  values)
+  parts, decoded = _encode_values(jnp.take_along_axis(blocks, idx, 1), values)
   payload = jnp.concatenate(parts + [_encode_indices(idx, layout)])
   return payload, decoded.reshape(idx.shape), idx, blocks
 
 
-def all_gather_mean(accs: Sequence[jax.Array], axis_name: Any,
-                    fraction: float, values: str = "float32",
-                    indices: str = "int32"):
+def all_gather_mean(
+  accs: Sequence[jax.Array],
+  axis_name: Any,
+  fraction: float,
+  values: str = "float32",
+  indices: str = "int32",
+):
   r"""Per-replica top-k, one all-gather of the packed bytes, scatter-add.
 
   Per leaf (or per block of a leaf with ``indices="compact"``) each replica
@@ -216,15 +225,20 @@ def all_gather_mean(accs: Sequence[jax.Array], axis_name: Any,
       continue
     layout = _Layout(a.size, fraction, values, indices)
     payload, decoded, idx, blocks = _select_leaf(
-        a.reshape(-1).astype(jnp.float32), layout, values)
+      a.reshape(-1).astype(jnp.float32), layout, values
+    )
     layouts.append(layout)
     payloads.append(payload)
     kept.append((decoded, idx, blocks))
   if not payloads:
-    return ([jnp.zeros(a.shape, a.dtype) for a in accs], list(accs),
-            [jnp.zeros(a.shape, bool) for a in accs])
-  gathered = jax.lax.all_gather(jnp.concatenate(payloads), axis_name,
-                                to="invarying")      # (W, bytes): one op.
+    return (
+      [jnp.zeros(a.shape, a.dtype) for a in accs],
+      list(accs),
+      [jnp.zeros(a.shape, bool) for a in accs],
+    )
+  gathered = jax.lax.all_gather(
+    jnp.concatenate(payloads), axis_name, to="invarying"
+  )  # (W, bytes): one op.
   w = gathered.shape[0]
   means, residuals, sent, offset = [], [], [], 0
   for a, layout, k in zip(accs, layouts, kept):
@@ -234,23 +248,29 @@ def all_gather_mean(accs: Sequence[jax.Array], axis_name: Any,
       sent.append(jnp.zeros(a.shape, bool))
       continue
     count = layout.blocks * layout.kept
-    vb = gathered[:, offset:offset + layout.value_bytes]
-    ib = gathered[:, offset + layout.value_bytes:offset + layout.nbytes]
+    vb = gathered[:, offset : offset + layout.value_bytes]
+    ib = gathered[:, offset + layout.value_bytes : offset + layout.nbytes]
     offset += layout.nbytes
-    vals = _decode_values(vb, count, values).reshape(w, layout.blocks,
-                                                     layout.kept)
+    vals = _decode_values(vb, count, values).reshape(
+      w, layout.blocks, layout.kept
+    )
     idx = _decode_indices(ib, layout)
     rows = jnp.arange(layout.blocks)[None, :, None]
-    total = jnp.zeros((layout.blocks, layout.block), jnp.float32).at[
-        jnp.broadcast_to(rows, idx.shape), idx].add(vals)
-    unpad = lambda m: m.reshape(-1)[:a.size].reshape(a.shape)
+    total = (
+      jnp.zeros((layout.blocks, layout.block), jnp.float32)
+      .at[jnp.broadcast_to(rows, idx.shape), idx]
+      .add(vals)
+    )
+    unpad = lambda m, a=a: m.reshape(-1)[: a.size].reshape(a.shape)
     means.append(unpad(total / w).astype(a.dtype))
     decoded, own, blocks = k
     own_rows = jnp.arange(layout.blocks)[:, None]
-    residuals.append(unpad(blocks.at[own_rows, own].add(-decoded)).astype(
-        a.dtype))
-    sent.append(unpad(jnp.zeros(blocks.shape, bool).at[own_rows, own].set(
-        True)))
+    residuals.append(
+      unpad(blocks.at[own_rows, own].add(-decoded)).astype(a.dtype)
+    )
+    sent.append(
+      unpad(jnp.zeros(blocks.shape, bool).at[own_rows, own].set(True))
+    )
   return means, residuals, sent
 
 
@@ -272,21 +292,25 @@ def replica_mean(x: jax.Array, axis_name: Any, values: str) -> jax.Array:
   """
   w = jax.lax.axis_size(axis_name)
   if values == "float32" or w == 1:
-    out = jax.lax.psum(x.astype(jnp.bfloat16 if values == "bfloat16" else
-                                jnp.float32), axis_name)
+    out = jax.lax.psum(
+      x.astype(jnp.bfloat16 if values == "bfloat16" else jnp.float32), axis_name
+    )
     return out.astype(jnp.float32) / w
   shape, n = x.shape, x.size
   x = jnp.pad(x.reshape(-1), (0, -n % w))
   # Bit-cast to uint16 on the wire: XLA would move a float convert across
   # the collective and send float32.
-  bits = lambda v: jax.lax.bitcast_convert_type(v.astype(jnp.bfloat16),
-                                                jnp.uint16)
+  bits = lambda v: jax.lax.bitcast_convert_type(
+    v.astype(jnp.bfloat16), jnp.uint16
+  )
   unbits = lambda v: jax.lax.bitcast_convert_type(v, jnp.bfloat16).astype(
-      jnp.float32)
+    jnp.float32
+  )
   got = jax.lax.all_to_all(bits(x).reshape(w, -1), axis_name, 0, 0)
-  mine = jnp.sum(unbits(got), axis=0) / w                  # Row j: from j.
-  full = jax.lax.all_gather(bits(mine), axis_name, axis=0, tiled=True,
-                            to="invarying")
+  mine = jnp.sum(unbits(got), axis=0) / w  # Row j: from j.
+  full = jax.lax.all_gather(
+    bits(mine), axis_name, axis=0, tiled=True, to="invarying"
+  )
   return unbits(full)[:n].reshape(shape)
 
 
@@ -303,15 +327,18 @@ def _chunk_matrix(accs, chunk_size):
   rows = []
   for a, m in zip(accs, chunk_rows([a.size for a in accs], chunk_size)):
     if m:
-      rows.append(jnp.pad(a.reshape(-1).astype(jnp.float32),
-                          (0, m * chunk_size - a.size)).reshape(m, chunk_size))
+      rows.append(
+        jnp.pad(
+          a.reshape(-1).astype(jnp.float32), (0, m * chunk_size - a.size)
+        ).reshape(m, chunk_size)
+      )
   return jnp.concatenate(rows) if rows else None
 
 
 def _unchunk(matrix, accs, chunk_size, dtype_of=True):
   out, offset = [], 0
   for a, m in zip(accs, chunk_rows([a.size for a in accs], chunk_size)):
-    leaf = matrix[offset:offset + m].reshape(-1)[:a.size].reshape(a.shape)
+    leaf = matrix[offset : offset + m].reshape(-1)[: a.size].reshape(a.shape)
     out.append(leaf.astype(a.dtype) if dtype_of else leaf)
     offset += m
   return out
@@ -323,9 +350,14 @@ def init_support(sizes: Sequence[int], chunk_size: int):
   return (jnp.full((m,), jnp.inf, jnp.float32), jnp.ones((m,), jnp.float32))
 
 
-def shared_support_mean(accs: Sequence[jax.Array], axis_name: Any,
-                        fraction: float, chunk_size: int,
-                        values: str = "float32", support=None):
+def shared_support_mean(
+  accs: Sequence[jax.Array],
+  axis_name: Any,
+  fraction: float,
+  chunk_size: int,
+  values: str = "float32",
+  support=None,
+):
   r"""The same chunks on every replica, exchanged by one all-reduce.
 
   The leaves are cut into :math:`M` chunks of ``chunk_size`` entries (a
@@ -349,12 +381,18 @@ def shared_support_mean(accs: Sequence[jax.Array], axis_name: Any,
     age)`` (None for ``"norms"``).
   """
   if values not in ("float32", "bfloat16"):
-    raise ValueError("`values` of the shared support must be 'float32' or "
-                     f"'bfloat16' (an all-reduce sums them), got {values!r}.")
+    raise ValueError(
+      "`values` of the shared support must be 'float32' or "
+      f"'bfloat16' (an all-reduce sums them), got {values!r}."
+    )
   matrix = _chunk_matrix(accs, chunk_size)
   if matrix is None:
-    return ([jnp.zeros(a.shape, a.dtype) for a in accs], list(accs),
-            [jnp.zeros(a.shape, bool) for a in accs], support)
+    return (
+      [jnp.zeros(a.shape, a.dtype) for a in accs],
+      list(accs),
+      [jnp.zeros(a.shape, bool) for a in accs],
+      support,
+    )
   m = matrix.shape[0]
   kc = num_kept(m, fraction)
   if support is None:
@@ -377,9 +415,12 @@ def shared_support_mean(accs: Sequence[jax.Array], axis_name: Any,
     rate = rate.at[idx].set(norms / age[idx])
     age = jnp.where(chosen, 1.0, age + 1.0)
     support = (rate, age)
-  return (_unchunk(mean, accs, chunk_size), _unchunk(residual, accs,
-                                                     chunk_size),
-          _unchunk(sent, accs, chunk_size, dtype_of=False), support)
+  return (
+    _unchunk(mean, accs, chunk_size),
+    _unchunk(residual, accs, chunk_size),
+    _unchunk(sent, accs, chunk_size, dtype_of=False),
+    support,
+  )
 
 
 # -- PowerSGD -----------------------------------------------------------------
@@ -395,30 +436,42 @@ def powersgd_shape(shape: Sequence[int], rank: int):
 
 def init_powersgd(shapes: Sequence[Sequence[int]], rank: int, seed: int = 0):
   """PowerSGD's initial ``Q`` per leaf (``(m, r)`` standard normal, the same
-  on every replica), None for the leaves exchanged densely."""
+  on every replica), None for the leaves exchanged densely.
+  """
   key = jax.random.key(seed)
   out = []
   for i, shape in enumerate(shapes):
     s = powersgd_shape(shape, rank)
-    out.append(None if s is None else jax.random.normal(
-        jax.random.fold_in(key, i), (s[1], s[2]), jnp.float32))
+    out.append(
+      None
+      if s is None
+      else jax.random.normal(
+        jax.random.fold_in(key, i), (s[1], s[2]), jnp.float32
+      )
+    )
   return out
 
 
 def _psum_packed(parts: list[jax.Array], axis_name, values: str):
   """Mean over replicas of the concatenated flat ``parts``, one all-reduce."""
   sizes = [p.size for p in parts]
-  flat = replica_mean(jnp.concatenate([p.reshape(-1) for p in parts]),
-                      axis_name, values)
+  flat = replica_mean(
+    jnp.concatenate([p.reshape(-1) for p in parts]), axis_name, values
+  )
   out, offset = [], 0
   for p, n in zip(parts, sizes):
-    out.append(flat[offset:offset + n].reshape(p.shape))
+    out.append(flat[offset : offset + n].reshape(p.shape))
     offset += n
   return out
 
 
-def powersgd_mean(accs: Sequence[jax.Array], axis_name: Any, rank: int,
-                  qs: Sequence[Any], values: str = "float32"):
+def powersgd_mean(
+  accs: Sequence[jax.Array],
+  axis_name: Any,
+  rank: int,
+  qs: Sequence[Any],
+  values: str = "float32",
+):
   r"""Rank-``r`` PowerSGD: one power iteration per step, warm-started.
 
   Each leaf of at least 2 dimensions is viewed as :math:`M_i \in
@@ -441,8 +494,10 @@ def powersgd_mean(accs: Sequence[jax.Array], axis_name: Any, rank: int,
     ``(means, residuals, new_qs)``.
   """
   if values not in ("float32", "bfloat16"):
-    raise ValueError("`values` of PowerSGD must be 'float32' or 'bfloat16' "
-                     f"(an all-reduce sums them), got {values!r}.")
+    raise ValueError(
+      "`values` of PowerSGD must be 'float32' or 'bfloat16' "
+      f"(an all-reduce sums them), got {values!r}."
+    )
   mats, dense = [], []
   for a, q in zip(accs, qs):
     if q is None:
@@ -451,10 +506,13 @@ def powersgd_mean(accs: Sequence[jax.Array], axis_name: Any, rank: int,
       mats.append(a.reshape(-1, a.shape[-1]).astype(jnp.float32))
   ps = [mat @ q for mat, q in zip(mats, [q for q in qs if q is not None])]
   reduced = _psum_packed(ps + dense, axis_name, values) if ps + dense else []
-  ps, dense = reduced[:len(ps)], reduced[len(ps):]
+  ps, dense = reduced[: len(ps)], reduced[len(ps) :]
   ps = [jnp.linalg.qr(p)[0] for p in ps]
-  new = _psum_packed([mat.T @ p for mat, p in zip(mats, ps)], axis_name,
-                     values) if ps else []
+  new = (
+    _psum_packed([mat.T @ p for mat, p in zip(mats, ps)], axis_name, values)
+    if ps
+    else []
+  )
   means, residuals, new_qs = [], [], []
   j = d = 0
   for a, q in zip(accs, qs):

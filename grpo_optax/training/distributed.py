@@ -51,7 +51,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,8 +71,13 @@ from grpo_optax.training.exchange import init_exchange
 from grpo_optax.training.exchange import sparse_pmean
 
 #: Collective kinds reported by :func:`collective_bytes`.
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-               "collective-permute")
+COLLECTIVES = (
+  "all-reduce",
+  "all-gather",
+  "reduce-scatter",
+  "all-to-all",
+  "collective-permute",
+)
 
 AxisName = Any  # A mesh axis name, or a tuple of them.
 
@@ -106,6 +113,7 @@ class DataParallelState(NamedTuple):
       replica like ``residual``; the step count, the replicated support,
       PowerSGD's ``Q``, replicated), or None for the dense exchange.
   """
+
   params: Any
   opt_state: Any
   residual: Any
@@ -130,8 +138,8 @@ def _to_global(x: Any, sharding: NamedSharding) -> Any:
   dtype = getattr(x, "dtype", None)
   if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
     return jax.random.wrap_key_data(
-        _to_global(jax.random.key_data(x), sharding),
-        impl=jax.random.key_impl(x))
+      _to_global(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x)
+    )
   x = np.asarray(x)
   return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
@@ -156,35 +164,56 @@ class DataParallelStep:
     exchange, fraction, error_feedback, chunk_size: as built.
   """
 
-  def __init__(self, loss_fn, tx, mesh, *, axis, dense_axis, exchange,
-               fraction, error_feedback, chunk_size, has_aux, donate,
-               **options):
+  def __init__(
+    self,
+    loss_fn,
+    tx,
+    mesh,
+    *,
+    axis,
+    dense_axis,
+    exchange,
+    fraction,
+    error_feedback,
+    chunk_size,
+    has_aux,
+    donate,
+    **options,
+  ):
     if not callable(loss_fn):
       raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn)}.")
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
-      raise TypeError("`tx` must be an optax GradientTransformation (with "
-                      f"init and update), got {type(tx)}.")
+      raise TypeError(
+        "`tx` must be an optax GradientTransformation (with "
+        f"init and update), got {type(tx)}."
+      )
     if not isinstance(mesh, Mesh):
       raise TypeError(f"`mesh` must be a jax.sharding.Mesh, got {type(mesh)}.")
     names = tuple(mesh.axis_names)
     if axis not in names:
-      raise ValueError(f"`axis` must be one of the mesh's axes {names}, got "
-                       f"{axis!r}.")
-    if dense_axis is not None and (dense_axis not in names
-                                   or dense_axis == axis):
-      raise ValueError(f"`dense_axis` must be None or one of the mesh's axes "
-                       f"{names} other than `axis` ({axis!r}), got "
-                       f"{dense_axis!r}.")
+      raise ValueError(
+        f"`axis` must be one of the mesh's axes {names}, got {axis!r}."
+      )
+    if dense_axis is not None and (
+      dense_axis not in names or dense_axis == axis
+    ):
+      raise ValueError(
+        f"`dense_axis` must be None or one of the mesh's axes "
+        f"{names} other than `axis` ({axis!r}), got "
+        f"{dense_axis!r}."
+      )
     data_axes = (axis,) if dense_axis is None else (axis, dense_axis)
     others = [n for n in names if n not in data_axes]
     if others:
       raise ValueError(
-          f"the mesh's axes must all be data axes (`axis`, `dense_axis`); "
-          f"got the extra axes {others} (model parallelism is not supported "
-          "by this step).")
+        f"the mesh's axes must all be data axes (`axis`, `dense_axis`); "
+        f"got the extra axes {others} (model parallelism is not supported "
+        "by this step)."
+      )
     if not isinstance(error_feedback, bool):
-      raise TypeError(f"`error_feedback` must be a bool, got "
-                      f"{error_feedback!r}.")
+      raise TypeError(
+        f"`error_feedback` must be a bool, got {error_feedback!r}."
+      )
     if not isinstance(has_aux, bool):
       raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
     # Validates every exchange option (the same checks as sparse_pmean).
@@ -200,12 +229,18 @@ class DataParallelStep:
     self._replicated = NamedSharding(mesh, P())
     self._per_replica = NamedSharding(mesh, P(axis))
     self._batch_sharding = NamedSharding(mesh, P(data_axes))
-    ex_spec = None if exchange == "dense" else ExchangeState(
-        None, P(axis), P(), P(), P())
+    ex_spec = (
+      None
+      if exchange == "dense"
+      else ExchangeState(None, P(axis), P(), P(), P())
+    )
     specs = DataParallelState(P(), P(), P(axis), ex_spec)
-    mapped = jax.shard_map(self._local_step, mesh=mesh,
-                           in_specs=(specs, P(data_axes)),
-                           out_specs=(specs, P()))
+    mapped = jax.shard_map(
+      self._local_step,
+      mesh=mesh,
+      in_specs=(specs, P(data_axes)),
+      out_specs=(specs, P()),
+    )
     self._step = jax.jit(mapped, donate_argnums=(0,) if donate else ())
 
   # -- state and data -------------------------------------------------------
@@ -216,26 +251,38 @@ class DataParallelStep:
     ``params`` must be the same on every process (e.g. from the same seed).
     """
     params = jax.tree.map(lambda x: _to_global(x, self._replicated), params)
-    opt_state = jax.jit(self.tx.init,
-                        out_shardings=self._replicated)(params)
+    opt_state = jax.jit(self.tx.init, out_shardings=self._replicated)(params)
     if self.exchange == "dense":
       return DataParallelState(params, opt_state, None, None)
     w = self.num_replicas
     stack = lambda t: jax.tree.map(
-        lambda x: jnp.broadcast_to(x, (w,) + x.shape), t)
+      lambda x: jnp.broadcast_to(x, (w,) + x.shape), t
+    )
 
     def make(p):
       ex = init_exchange(
-          p, exchange=self.exchange, error_feedback=self.error_feedback,
-          momentum=self.options.get("momentum", 0.0),
-          support=self.options.get("support", "norms"),
-          chunk_size=self.chunk_size, rank=self.options.get("rank", 1))
-      return stack(ex.residual), ex._replace(residual=None,
-                                             velocity=stack(ex.velocity))
+        p,
+        exchange=self.exchange,
+        error_feedback=self.error_feedback,
+        momentum=self.options.get("momentum", 0.0),
+        support=self.options.get("support", "norms"),
+        chunk_size=self.chunk_size,
+        rank=self.options.get("rank", 1),
+      )
+      return stack(ex.residual), ex._replace(
+        residual=None, velocity=stack(ex.velocity)
+      )
 
-    shardings = (self._per_replica, ExchangeState(
-        None, self._per_replica, self._replicated, self._replicated,
-        self._replicated))
+    shardings = (
+      self._per_replica,
+      ExchangeState(
+        None,
+        self._per_replica,
+        self._replicated,
+        self._replicated,
+        self._replicated,
+      ),
+    )
     residual, ex = jax.jit(make, out_shardings=shardings)(params)
     return DataParallelState(params, opt_state, residual, ex)
 
@@ -253,9 +300,10 @@ class DataParallelStep:
       shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
       if not shape or shape[0] % self.num_devices:
         raise ValueError(
-            f"`batch` leaves need a leading dimension divisible by the "
-            f"{self.num_devices} devices of the data axes {self.data_axes}; "
-            f"got a leaf of shape {shape}.")
+          f"`batch` leaves need a leading dimension divisible by the "
+          f"{self.num_devices} devices of the data axes {self.data_axes}; "
+          f"got a leaf of shape {shape}."
+        )
     return jax.tree.map(lambda x: _to_global(x, self._batch_sharding), batch)
 
   def step(self, state: DataParallelState, batch: Any):
@@ -275,18 +323,25 @@ class DataParallelStep:
     # implicit psum of the full gradient enters the program.
     params = jax.lax.pcast(state.params, self.data_axes, to="varying")
     value, grads = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)(
-        params, batch)
+      params, batch
+    )
     residual, ex = state.residual, state.exchange
     if self.exchange == "dense":
       grads = jax.lax.pmean(grads, self.data_axes)
     else:
-      if self.dense_axis is not None:   # Within a node: dense and fast.
+      if self.dense_axis is not None:  # Within a node: dense and fast.
         grads = jax.lax.pmean(grads, self.dense_axis)
       local = lambda t: jax.tree.map(lambda r: r[0], t)
       ex = ex._replace(residual=local(residual), velocity=local(ex.velocity))
       grads, ex = sparse_pmean(
-          grads, ex, self.axis, exchange=self.exchange,
-          fraction=self.fraction, chunk_size=self.chunk_size, **self.options)
+        grads,
+        ex,
+        self.axis,
+        exchange=self.exchange,
+        fraction=self.fraction,
+        chunk_size=self.chunk_size,
+        **self.options,
+      )
       stacked = lambda t: jax.tree.map(lambda r: r[None], t)
       residual = stacked(ex.residual)
       ex = ex._replace(residual=None, velocity=stacked(ex.velocity))
@@ -296,19 +351,28 @@ class DataParallelStep:
     return DataParallelState(new_params, opt_state, residual, ex), value
 
 
-def data_parallel_step(loss_fn: Callable[[Any, Any], Any],
-                       tx: optax.GradientTransformation,
-                       mesh: Mesh, *, axis: str = "data",
-                       exchange: str = "dense", fraction: float = 0.3,
-                       error_feedback: bool = True,
-                       dense_axis: str | None = None, chunk_size: int = 64,
-                       has_aux: bool = False,
-                       donate: bool = True, values: str = "float32",
-                       indices: str = "int32", support: str = "norms",
-                       rank: int = 1, momentum: float = 0.0,
-                       mask_momentum: bool = True,
-                       clip_norm: float | None = None,
-                       warmup_steps: int = 0) -> DataParallelStep:
+def data_parallel_step(
+  loss_fn: Callable[[Any, Any], Any],
+  tx: optax.GradientTransformation,
+  mesh: Mesh,
+  *,
+  axis: str = "data",
+  exchange: str = "dense",
+  fraction: float = 0.3,
+  error_feedback: bool = True,
+  dense_axis: str | None = None,
+  chunk_size: int = 64,
+  has_aux: bool = False,
+  donate: bool = True,
+  values: str = "float32",
+  indices: str = "int32",
+  support: str = "norms",
+  rank: int = 1,
+  momentum: float = 0.0,
+  mask_momentum: bool = True,
+  clip_norm: float | None = None,
+  warmup_steps: int = 0,
+) -> DataParallelStep:
   r"""A data-parallel train step over ``mesh`` with a dense or sparse exchange.
 
   The global batch is split along its leading axis over the data axes; each
@@ -372,28 +436,61 @@ def data_parallel_step(loss_fn: Callable[[Any, Any], Any],
     Lin et al., Deep Gradient Compression, ICLR 2018,
     https://arxiv.org/abs/1712.01887
   """
-  return DataParallelStep(loss_fn, tx, mesh, axis=axis, dense_axis=dense_axis,
-                          exchange=exchange, fraction=fraction,
-                          error_feedback=error_feedback,
-                          chunk_size=chunk_size, has_aux=has_aux,
-                          donate=donate, values=values, indices=indices,
-                          support=support, rank=rank, momentum=momentum,
-                          mask_momentum=mask_momentum, clip_norm=clip_norm,
-                          warmup_steps=warmup_steps)
+  return DataParallelStep(
+    loss_fn,
+    tx,
+    mesh,
+    axis=axis,
+    dense_axis=dense_axis,
+    exchange=exchange,
+    fraction=fraction,
+    error_feedback=error_feedback,
+    chunk_size=chunk_size,
+    has_aux=has_aux,
+    donate=donate,
+    values=values,
+    indices=indices,
+    support=support,
+    rank=rank,
+    momentum=momentum,
+    mask_momentum=mask_momentum,
+    clip_norm=clip_norm,
+    warmup_steps=warmup_steps,
+  )
 
 
 # -- bytes in a compiled program ---------------------------------------------
 
 _DTYPE_BYTES = {
-    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1,
-    "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2,
-    "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8,
-    "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0,
+  "pred": 1,
+  "s4": 1,
+  "u4": 1,
+  "s8": 1,
+  "u8": 1,
+  "f8e4m3fn": 1,
+  "f8e5m2": 1,
+  "f8e4m3": 1,
+  "f8e4m3fnuz": 1,
+  "f8e5m2fnuz": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+  "token": 0,
 }
 _KINDS = "|".join(COLLECTIVES)
 _INSTR = re.compile(
-    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s+"
-    rf"(?P<kind>{_KINDS})(?P<phase>-start|-done)?\((?P<rest>.*)$")
+  r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s+"
+  rf"(?P<kind>{_KINDS})(?P<phase>-start|-done)?\((?P<rest>.*)$"
+)
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,]*\})")
@@ -458,8 +555,9 @@ def collective_ops(compiled: Any) -> list[tuple[str, int, int]]:
     if phase == "-done":
       operand = _OPERAND.search(attrs)
       attrs = starts.get(operand.group(1), "") if operand else ""
-    ops.append((kind, _shape_bytes(m.group("shape")),
-                _group_size(attrs, default_group)))
+    ops.append(
+      (kind, _shape_bytes(m.group("shape")), _group_size(attrs, default_group))
+    )
   return ops
 
 

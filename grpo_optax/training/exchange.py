@@ -41,7 +41,8 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +70,7 @@ class ExchangeState(NamedTuple):
     q: PowerSGD's warm-start ``Q`` per leaf (None for a leaf exchanged
       densely), or None for the other exchanges. The same on every replica.
   """
+
   residual: Any
   velocity: Any
   count: jax.Array
@@ -85,8 +87,9 @@ PER_REPLICA = ("residual", "velocity")
 
 def _check_choice(name: str, value: Any, allowed) -> str:
   if value not in allowed:
-    raise ValueError(f"`{name}` must be one of {tuple(allowed)}, got "
-                     f"{value!r}.")
+    raise ValueError(
+      f"`{name}` must be one of {tuple(allowed)}, got {value!r}."
+    )
   return value
 
 
@@ -95,7 +98,8 @@ def _check_fraction(fraction: Any) -> float:
     f = float(fraction)
   except (TypeError, ValueError):
     raise ValueError(
-        f"`fraction` must be a float in (0, 1], got {fraction!r}.") from None
+      f"`fraction` must be a float in (0, 1], got {fraction!r}."
+    ) from None
   if not 0.0 < f <= 1.0:
     raise ValueError(f"`fraction` must be a float in (0, 1], got {f}.")
   return f
@@ -108,7 +112,8 @@ def _check_int(name: str, value: Any, low: int) -> int:
     v = operator.index(value)
   except TypeError:
     raise ValueError(
-        f"`{name}` must be an int >= {low}, got {value!r}.") from None
+      f"`{name}` must be an int >= {low}, got {value!r}."
+    ) from None
   if v < low:
     raise ValueError(f"`{name}` must be an int >= {low}, got {v}.")
   return v
@@ -126,8 +131,9 @@ def _check_clip(clip_norm: Any):
     return None
   c = float(clip_norm)
   if not c > 0:
-    raise ValueError(f"`clip_norm` must be None or a float > 0, got "
-                     f"{clip_norm}.")
+    raise ValueError(
+      f"`clip_norm` must be None or a float > 0, got {clip_norm}."
+    )
   return c
 
 
@@ -145,38 +151,64 @@ class _Config(NamedTuple):
   warmup_steps: int
 
 
-def _config(exchange, fraction, chunk_size, values, indices, support, rank,
-            momentum, mask_momentum, clip_norm, warmup_steps) -> _Config:
+def _config(
+  exchange,
+  fraction,
+  chunk_size,
+  values,
+  indices,
+  support,
+  rank,
+  momentum,
+  mask_momentum,
+  clip_norm,
+  warmup_steps,
+) -> _Config:
   cfg = _Config(
-      _check_choice("exchange", exchange, EXCHANGES),
-      _check_fraction(fraction), _check_int("chunk_size", chunk_size, 1),
-      _check_choice("values", values, compression.VALUE_FORMATS),
-      _check_choice("indices", indices, compression.INDEX_FORMATS),
-      _check_choice("support", support, compression.SUPPORTS),
-      _check_int("rank", rank, 1), _check_momentum(momentum),
-      bool(mask_momentum), _check_clip(clip_norm),
-      _check_int("warmup_steps", warmup_steps, 0))
+    _check_choice("exchange", exchange, EXCHANGES),
+    _check_fraction(fraction),
+    _check_int("chunk_size", chunk_size, 1),
+    _check_choice("values", values, compression.VALUE_FORMATS),
+    _check_choice("indices", indices, compression.INDEX_FORMATS),
+    _check_choice("support", support, compression.SUPPORTS),
+    _check_int("rank", rank, 1),
+    _check_momentum(momentum),
+    bool(mask_momentum),
+    _check_clip(clip_norm),
+    _check_int("warmup_steps", warmup_steps, 0),
+  )
   if cfg.values == "int8" and cfg.exchange != "all_gather":
-    raise ValueError("`values='int8'` needs `exchange='all_gather'` (an "
-                     "all-reduce of 8-bit values would overflow); got "
-                     f"exchange={cfg.exchange!r}.")
+    raise ValueError(
+      "`values='int8'` needs `exchange='all_gather'` (an "
+      "all-reduce of 8-bit values would overflow); got "
+      f"exchange={cfg.exchange!r}."
+    )
   if cfg.values != "float32" and cfg.exchange == "dense":
-    raise ValueError(f"the dense exchange sends float32; got values="
-                     f"{cfg.values!r}.")
-  if cfg.warmup_steps and cfg.exchange not in ("all_gather",
-                                               "shared_support"):
-    raise ValueError("`warmup_steps` (the sparsity warm-up) needs a sparse "
-                     f"exchange, got exchange={cfg.exchange!r}.")
+    raise ValueError(
+      f"the dense exchange sends float32; got values={cfg.values!r}."
+    )
+  if cfg.warmup_steps and cfg.exchange not in ("all_gather", "shared_support"):
+    raise ValueError(
+      "`warmup_steps` (the sparsity warm-up) needs a sparse "
+      f"exchange, got exchange={cfg.exchange!r}."
+    )
   return cfg
 
 
 # -- state -------------------------------------------------------------------
 
 
-def init_exchange(params: Any, *, exchange: str = "all_gather",
-                  error_feedback: bool = True, momentum: float = 0.0,
-                  support: str = "norms", chunk_size: int = 64,
-                  rank: int = 1, seed: int = 0) -> ExchangeState:
+def init_exchange(
+  params: Any,
+  *,
+  exchange: str = "all_gather",
+  error_feedback: bool = True,
+  momentum: float = 0.0,
+  support: str = "norms",
+  chunk_size: int = 64,
+  rank: int = 1,
+  seed: int = 0,
+) -> ExchangeState:
   """The initial :class:`ExchangeState` of one replica.
 
   Args:
@@ -199,15 +231,21 @@ def init_exchange(params: Any, *, exchange: str = "all_gather",
   zeros = lambda: jax.tree.map(jnp.zeros_like, params)
   sup = None
   if exchange == "shared_support" and support == "replicated":
-    sup = compression.init_support([x.size for x in leaves],
-                                   _check_int("chunk_size", chunk_size, 1))
+    sup = compression.init_support(
+      [x.size for x in leaves], _check_int("chunk_size", chunk_size, 1)
+    )
   q = None
   if exchange == "powersgd":
-    q = compression.init_powersgd([x.shape for x in leaves],
-                                  _check_int("rank", rank, 1), seed)
-  return ExchangeState(zeros() if error_feedback else None,
-                       zeros() if momentum else None,
-                       jnp.zeros((), jnp.int32), sup, q)
+    q = compression.init_powersgd(
+      [x.shape for x in leaves], _check_int("rank", rank, 1), seed
+    )
+  return ExchangeState(
+    zeros() if error_feedback else None,
+    zeros() if momentum else None,
+    jnp.zeros((), jnp.int32),
+    sup,
+    q,
+  )
 
 
 # -- the exchange ------------------------------------------------------------
@@ -217,40 +255,51 @@ def _compress(cfg: _Config, axis_name, accs, support, q, fraction):
   """``(means, residuals, sent, support, q)`` of one exchange of ``accs``."""
   if cfg.exchange == "dense":
     means = jax.lax.pmean(list(accs), axis_name)
-    return (means, [jnp.zeros_like(a) for a in accs],
-            [jnp.ones(a.shape, bool) for a in accs], support, q)
+    return (
+      means,
+      [jnp.zeros_like(a) for a in accs],
+      [jnp.ones(a.shape, bool) for a in accs],
+      support,
+      q,
+    )
   if cfg.exchange == "all_gather":
     means, res, sent = compression.all_gather_mean(
-        accs, axis_name, fraction, cfg.values, cfg.indices)
+      accs, axis_name, fraction, cfg.values, cfg.indices
+    )
     return means, res, sent, support, q
   if cfg.exchange == "shared_support":
     means, res, sent, support = compression.shared_support_mean(
-        accs, axis_name, fraction, cfg.chunk_size, cfg.values, support)
+      accs, axis_name, fraction, cfg.chunk_size, cfg.values, support
+    )
     return means, res, sent, support, q
-  if q is None:   # No state: a cold start from a fixed Q every step.
+  if q is None:  # No state: a cold start from a fixed Q every step.
     q = compression.init_powersgd([a.shape for a in accs], cfg.rank)
-  means, res, q = compression.powersgd_mean(accs, axis_name, cfg.rank, q,
-                                            cfg.values)
+  means, res, q = compression.powersgd_mean(
+    accs, axis_name, cfg.rank, q, cfg.values
+  )
   return means, res, None, support, q
 
 
 def _staged(cfg: _Config, axis_name, accs, support, q, count):
   """:func:`_compress` at the warm-up stage's fraction (``lax.switch`` over
-  the stages: each has its own static payload size)."""
+  the stages: each has its own static payload size).
+  """
   fractions = compression.warmup_fractions(cfg.fraction)
   if not cfg.warmup_steps or len(fractions) == 1:
     return _compress(cfg, axis_name, accs, support, q, cfg.fraction)
   stage = jnp.minimum(count // cfg.warmup_steps, len(fractions) - 1)
-  branches = [functools.partial(_compress, cfg, axis_name, fraction=f)
-              for f in fractions]
+  branches = [
+    functools.partial(_compress, cfg, axis_name, fraction=f) for f in fractions
+  ]
   return jax.lax.switch(stage, branches, accs, support, q)
 
 
 def _clip(leaves, clip_norm, axis_name):
   """DGC's local clipping: global norm at most ``clip_norm / sqrt(W)``."""
   bound = clip_norm / math.sqrt(jax.lax.axis_size(axis_name))
-  norm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
-                      for x in leaves))
+  norm = jnp.sqrt(
+    sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
+  )
   scale = jnp.minimum(1.0, bound / jnp.maximum(norm, 1e-30))
   return [(x * scale).astype(x.dtype) for x in leaves]
 
@@ -260,8 +309,10 @@ def _check_leaves(leaves):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"`grads` must hold float arrays, got {x.dtype}.")
     if x.size >= 2**31:
-      raise ValueError(f"a `grads` leaf has {x.size} entries; int32 indices "
-                       "address at most 2**31 - 1: split the leaf.")
+      raise ValueError(
+        f"a `grads` leaf has {x.size} entries; int32 indices "
+        "address at most 2**31 - 1: split the leaf."
+      )
 
 
 def _flatten_like(tree, treedef, name):
@@ -269,26 +320,35 @@ def _flatten_like(tree, treedef, name):
     return None
   leaves, tdef = jax.tree.flatten(tree)
   if tdef != treedef:
-    raise ValueError(f"`{name}` must have the structure of `grads`; got "
-                     f"{tdef}, grads have {treedef}.")
+    raise ValueError(
+      f"`{name}` must have the structure of `grads`; got "
+      f"{tdef}, grads have {treedef}."
+    )
   return leaves
 
 
 def _check_state(state: ExchangeState, cfg: _Config) -> None:
   if (state.velocity is None) != (cfg.momentum == 0):
-    raise ValueError("the ExchangeState's velocity must be present exactly "
-                     f"when momentum > 0 (momentum={cfg.momentum}): build it "
-                     "with init_exchange(..., momentum=...).")
-  wants_support = (cfg.exchange == "shared_support"
-                   and cfg.support == "replicated")
+    raise ValueError(
+      "the ExchangeState's velocity must be present exactly "
+      f"when momentum > 0 (momentum={cfg.momentum}): build it "
+      "with init_exchange(..., momentum=...)."
+    )
+  wants_support = (
+    cfg.exchange == "shared_support" and cfg.support == "replicated"
+  )
   if wants_support != (state.support is not None):
-    raise ValueError("the ExchangeState's support must be present exactly "
-                     "for exchange='shared_support', support='replicated': "
-                     "build it with init_exchange(..., support=...).")
+    raise ValueError(
+      "the ExchangeState's support must be present exactly "
+      "for exchange='shared_support', support='replicated': "
+      "build it with init_exchange(..., support=...)."
+    )
   if (cfg.exchange == "powersgd") != (state.q is not None):
-    raise ValueError("the ExchangeState's q must be present exactly for "
-                     "exchange='powersgd': build it with init_exchange("
-                     "..., exchange='powersgd').")
+    raise ValueError(
+      "the ExchangeState's q must be present exactly for "
+      "exchange='powersgd': build it with init_exchange("
+      "..., exchange='powersgd')."
+    )
 
 
 def _run(cfg: _Config, leaves, state: ExchangeState, treedef, axis_name):
@@ -297,33 +357,52 @@ def _run(cfg: _Config, leaves, state: ExchangeState, treedef, axis_name):
   velocity = _flatten_like(state.velocity, treedef, "velocity")
   if cfg.clip_norm is not None:
     leaves = _clip(leaves, cfg.clip_norm, axis_name)
-  if velocity is not None:   # Momentum correction: accumulate the velocity.
-    velocity = [cfg.momentum * u + g.astype(u.dtype)
-                for u, g in zip(velocity, leaves)]
+  if velocity is not None:  # Momentum correction: accumulate the velocity.
+    velocity = [
+      cfg.momentum * u + g.astype(u.dtype) for u, g in zip(velocity, leaves)
+    ]
     leaves = [u.astype(g.dtype) for u, g in zip(velocity, leaves)]
   if residual is not None:
     leaves = [g + r.astype(g.dtype) for g, r in zip(leaves, residual)]
-  means, new_res, sent, support, q = _staged(cfg, axis_name, leaves,
-                                             state.support, state.q,
-                                             state.count)
+  means, new_res, sent, support, q = _staged(
+    cfg, axis_name, leaves, state.support, state.q, state.count
+  )
   if velocity is not None and cfg.mask_momentum and sent is not None:
-    velocity = [jnp.where(s, jnp.zeros_like(u), u)
-                for u, s in zip(velocity, sent)]
-  unflat = lambda xs, like: None if like is None else treedef.unflatten(
-      [x.astype(y.dtype) for x, y in zip(xs, like)])
-  new_state = ExchangeState(unflat(new_res, residual),
-                            unflat(velocity, velocity),
-                            state.count + 1, support, q)
+    velocity = [
+      jnp.where(s, jnp.zeros_like(u), u) for u, s in zip(velocity, sent)
+    ]
+  unflat = lambda xs, like: (
+    None
+    if like is None
+    else treedef.unflatten([x.astype(y.dtype) for x, y in zip(xs, like)])
+  )
+  new_state = ExchangeState(
+    unflat(new_res, residual),
+    unflat(velocity, velocity),
+    state.count + 1,
+    support,
+    q,
+  )
   return means, new_state
 
 
-def sparse_pmean(grads: Any, residual: Any, axis_name: AxisName, *,
-                 exchange: str = "all_gather", fraction: float = 0.3,
-                 chunk_size: int = 64, values: str = "float32",
-                 indices: str = "int32", support: str = "norms",
-                 rank: int = 1, momentum: float = 0.0,
-                 mask_momentum: bool = True, clip_norm: float | None = None,
-                 warmup_steps: int = 0) -> tuple[Any, Any]:
+def sparse_pmean(
+  grads: Any,
+  residual: Any,
+  axis_name: AxisName,
+  *,
+  exchange: str = "all_gather",
+  fraction: float = 0.3,
+  chunk_size: int = 64,
+  values: str = "float32",
+  indices: str = "int32",
+  support: str = "norms",
+  rank: int = 1,
+  momentum: float = 0.0,
+  mask_momentum: bool = True,
+  clip_norm: float | None = None,
+  warmup_steps: int = 0,
+) -> tuple[Any, Any]:
   r"""Mean of the replicas' gradients through a (compressed) exchange.
 
   Call it inside :func:`jax.shard_map` (or any context where ``axis_name``
@@ -383,19 +462,35 @@ def sparse_pmean(grads: Any, residual: Any, axis_name: AxisName, *,
     ...     jnp.array([3., -1., 0.5, -4.]))
     Array([ 3.,  0.,  0., -4.], dtype=float32)
   """
-  cfg = _config(exchange, fraction, chunk_size, values, indices, support,
-                rank, momentum, mask_momentum, clip_norm, warmup_steps)
+  cfg = _config(
+    exchange,
+    fraction,
+    chunk_size,
+    values,
+    indices,
+    support,
+    rank,
+    momentum,
+    mask_momentum,
+    clip_norm,
+    warmup_steps,
+  )
   leaves, treedef = jax.tree.flatten(grads)
   _check_leaves(leaves)
   if isinstance(residual, ExchangeState):
     _check_state(residual, cfg)
     means, state = _run(cfg, leaves, residual, treedef, axis_name)
     return treedef.unflatten(means), state
-  if cfg.momentum or cfg.warmup_steps or (
-      cfg.exchange == "shared_support" and cfg.support == "replicated"):
-    raise ValueError("`momentum`, `warmup_steps` and support='replicated' "
-                     "keep state: pass an ExchangeState from init_exchange "
-                     "as `residual`.")
+  if (
+    cfg.momentum
+    or cfg.warmup_steps
+    or (cfg.exchange == "shared_support" and cfg.support == "replicated")
+  ):
+    raise ValueError(
+      "`momentum`, `warmup_steps` and support='replicated' "
+      "keep state: pass an ExchangeState from init_exchange "
+      "as `residual`."
+    )
   state = ExchangeState(residual, None, jnp.zeros((), jnp.int32), None, None)
   means, state = _run(cfg, leaves, state, treedef, axis_name)
   return treedef.unflatten(means), state.residual

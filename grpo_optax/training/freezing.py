@@ -13,7 +13,8 @@ work below it too.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +31,14 @@ class FrozenStep:
   one mask, ``(params, opt_state, batch) -> (params, opt_state, loss)``.
   """
 
-  def __init__(self, loss_fn: Callable[[Any, Any], jax.Array],
-               tx: optax.GradientTransformation, *, donate: bool,
-               max_cached: int):
+  def __init__(
+    self,
+    loss_fn: Callable[[Any, Any], jax.Array],
+    tx: optax.GradientTransformation,
+    *,
+    donate: bool,
+    max_cached: int,
+  ):
     self.loss_fn = loss_fn
     self.tx = tx
     self.donate = donate
@@ -47,14 +53,18 @@ class FrozenStep:
   def _make(self, trainable: tuple[bool, ...]):
     def step(params, opt_state, batch):
       leaves, treedef = jax.tree.flatten(params)
-      loss, g = _tree.value_and_grad_subset(self.loss_fn, params, trainable,
-                                            batch)
+      loss, g = _tree.value_and_grad_subset(
+        self.loss_fn, params, trainable, batch
+      )
       # Frozen leaves get a constant zero gradient: no compute, and a global
       # norm over the tree equals the norm over the trainable leaves.
-      g = [gi if t else jnp.zeros(x.shape, x.dtype)
-           for gi, x, t in zip(g, leaves, trainable)]
-      updates, opt_state = self.tx.update(treedef.unflatten(g), opt_state,
-                                          params)
+      g = [
+        gi if t else jnp.zeros(x.shape, x.dtype)
+        for gi, x, t in zip(g, leaves, trainable)
+      ]
+      updates, opt_state = self.tx.update(
+        treedef.unflatten(g), opt_state, params
+      )
       new = jax.tree.leaves(optax.apply_updates(params, updates))
       # Frozen parameters are passed through untouched (bit-identical).
       new = [n if t else x for n, x, t in zip(new, leaves, trainable)]
@@ -98,9 +108,13 @@ class FrozenStep:
     return self.compiled(frozen, params)(params, opt_state, batch)
 
 
-def frozen_train_step(loss_fn: Callable[[Any, Any], jax.Array],
-                      tx: optax.GradientTransformation, *, donate: bool = True,
-                      max_cached: int = 8) -> FrozenStep:
+def frozen_train_step(
+  loss_fn: Callable[[Any, Any], jax.Array],
+  tx: optax.GradientTransformation,
+  *,
+  donate: bool = True,
+  max_cached: int = 8,
+) -> FrozenStep:
   r"""A train step that does not compute gradients of frozen parameters.
 
   With a static mask :math:`F` (True = frozen) the step computes

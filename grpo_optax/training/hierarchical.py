@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +32,9 @@ from grpo_optax.training import _tree
 #: feed-forward / dense blocks, normalisation layers and dense output heads.
 #: Matched against whole path components (``layers/0/mlp/fc1/kernel``).
 DEFAULT_NONCORE_PATTERN = (
-    r"(^|/)(mlp|ffn|feed_?forward|fc\d*|dense\w*|mlm_head|lm_head|head"
-    r"|ln(_?\w+)?|\w*norm\w*)(/|$)")
+  r"(^|/)(mlp|ffn|feed_?forward|fc\d*|dense\w*|mlm_head|lm_head|head"
+  r"|ln(_?\w+)?|\w*norm\w*)(/|$)"
+)
 
 _NONCORE_RE = re.compile(DEFAULT_NONCORE_PATTERN, re.IGNORECASE)
 
@@ -66,6 +69,7 @@ class HierarchicalState(NamedTuple):
       (``approx="momentum"``); ``optax.MaskedNode()`` at core leaves (and at
       every leaf for ``approx="zero"``), so it holds no memory there.
   """
+
   count: jax.Array  # shape=(), dtype=int32.
   estimate: Any
 
@@ -80,23 +84,33 @@ class HierarchicalStep:
   (``.lower(...).compile()``) to inspect XLA's cost and memory analyses.
   """
 
-  def __init__(self, loss_fn: Callable[[Any, Any], jax.Array],
-               tx: optax.GradientTransformation, *, is_core: _tree.Rule,
-               refresh_every: int, approx: str, momentum: float):
+  def __init__(
+    self,
+    loss_fn: Callable[[Any, Any], jax.Array],
+    tx: optax.GradientTransformation,
+    *,
+    is_core: _tree.Rule,
+    refresh_every: int,
+    approx: str,
+    momentum: float,
+  ):
     if approx not in _APPROX:
       raise ValueError(f"`approx` must be one of {_APPROX}, got {approx!r}.")
     self.loss_fn = loss_fn
     self.tx = tx
     self.is_core = is_core
-    self.refresh_every = _tree.check_positive_int("refresh_every",
-                                                  refresh_every)
+    self.refresh_every = _tree.check_positive_int(
+      "refresh_every", refresh_every
+    )
     self.approx = approx
     self.momentum = _tree.check_fraction("momentum", momentum)
     donate = (0, 1, 2)
-    self.full_step = jax.jit(self._make_train(refresh=True),
-                             donate_argnums=donate)
-    self.skip_step = jax.jit(self._make_train(refresh=False),
-                             donate_argnums=donate)
+    self.full_step = jax.jit(
+      self._make_train(refresh=True), donate_argnums=donate
+    )
+    self.skip_step = jax.jit(
+      self._make_train(refresh=False), donate_argnums=donate
+    )
 
   # -- labels ---------------------------------------------------------------
 
@@ -117,15 +131,19 @@ class HierarchicalStep:
     """Zero estimates for the non-core leaves; works on ShapeDtypeStructs."""
     leaves, treedef = jax.tree.flatten(params)
     stores = self._stores(self._mask(params))
-    est = [jnp.zeros(x.shape, x.dtype) if s else optax.MaskedNode()
-           for x, s in zip(leaves, stores)]
-    return HierarchicalState(count=jnp.zeros((), jnp.int32),
-                             estimate=treedef.unflatten(est))
+    est = [
+      jnp.zeros(x.shape, x.dtype) if s else optax.MaskedNode()
+      for x, s in zip(leaves, stores)
+    ]
+    return HierarchicalState(
+      count=jnp.zeros((), jnp.int32), estimate=treedef.unflatten(est)
+    )
 
   # -- gradients ------------------------------------------------------------
 
-  def gradient(self, params: Any, h_state: HierarchicalState, batch: Any, *,
-               refresh: bool) -> tuple[jax.Array, Any, HierarchicalState]:
+  def gradient(
+    self, params: Any, h_state: HierarchicalState, batch: Any, *, refresh: bool
+  ) -> tuple[jax.Array, Any, HierarchicalState]:
     """The gradient the optimizer sees, and the new state (pure, traceable).
 
     Args:
@@ -143,8 +161,10 @@ class HierarchicalStep:
     stores = self._stores(mask)
     est = jax.tree.leaves(h_state.estimate)  # MaskedNodes have no leaves.
     if len(est) != sum(stores):
-      raise ValueError("`h_state` does not match params: build it with"
-                       " .init(params) of the same HierarchicalStep.")
+      raise ValueError(
+        "`h_state` does not match params: build it with"
+        " .init(params) of the same HierarchicalStep."
+      )
     beta = self.momentum
     if refresh:
       loss, grads = jax.value_and_grad(self.loss_fn)(params, batch)
@@ -180,11 +200,13 @@ class HierarchicalStep:
 
   def _make_train(self, *, refresh: bool):
     def train(params, opt_state, h_state, batch):
-      loss, grads, h_state = self.gradient(params, h_state, batch,
-                                           refresh=refresh)
+      loss, grads, h_state = self.gradient(
+        params, h_state, batch, refresh=refresh
+      )
       updates, opt_state = self.tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
       return params, opt_state, h_state, loss
+
     return train
 
   # -- stepping -------------------------------------------------------------
@@ -194,13 +216,21 @@ class HierarchicalStep:
     try:
       step = operator.index(step)
     except TypeError:
-      raise TypeError("`step` must be a Python int (the step number), got"
-                      f" {type(step).__name__}; a traced step cannot select"
-                      " between the two compiled programs.") from None
+      raise TypeError(
+        "`step` must be a Python int (the step number), got"
+        f" {type(step).__name__}; a traced step cannot select"
+        " between the two compiled programs."
+      ) from None
     return step % self.refresh_every == 0
 
-  def step(self, params: Any, opt_state: Any, h_state: HierarchicalState,
-           batch: Any, step: int):
+  def step(
+    self,
+    params: Any,
+    opt_state: Any,
+    h_state: HierarchicalState,
+    batch: Any,
+    step: int,
+  ):
     """Runs the full step if ``step % refresh_every == 0``, else the skip step.
 
     The inputs ``params``, ``opt_state`` and ``h_state`` are donated: do not
@@ -213,11 +243,15 @@ class HierarchicalStep:
     return fn(params, opt_state, h_state, batch)
 
 
-def hierarchical_step(loss_fn: Callable[[Any, Any], jax.Array],
-                      tx: optax.GradientTransformation, *,
-                      is_core: _tree.Rule = default_is_core,
-                      refresh_every: int = 4, approx: str = "last",
-                      momentum: float = 0.9) -> HierarchicalStep:
+def hierarchical_step(
+  loss_fn: Callable[[Any, Any], jax.Array],
+  tx: optax.GradientTransformation,
+  *,
+  is_core: _tree.Rule = default_is_core,
+  refresh_every: int = 4,
+  approx: str = "last",
+  momentum: float = 0.9,
+) -> HierarchicalStep:
   r"""Train step with exact core gradients and periodically refreshed others.
 
   Let :math:`\theta = (\theta_c, \theta_n)` be the core and non-core
@@ -292,6 +326,11 @@ def hierarchical_step(loss_fn: Callable[[Any, Any], jax.Array],
     Learning with Reduced Overfitting", ICML 2017,
     https://arxiv.org/abs/1706.06197
   """
-  return HierarchicalStep(loss_fn, tx, is_core=is_core,
-                          refresh_every=refresh_every, approx=approx,
-                          momentum=momentum)
+  return HierarchicalStep(
+    loss_fn,
+    tx,
+    is_core=is_core,
+    refresh_every=refresh_every,
+    approx=approx,
+    momentum=momentum,
+  )

@@ -38,16 +38,22 @@ What the fused update saves, and what it does not:
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 
-def train_step(loss_fn: Callable[[Any, Any], jax.Array],
-               tx: optax.GradientTransformation, *, donate: bool = True,
-               has_aux: bool = False):
+def train_step(
+  loss_fn: Callable[[Any, Any], jax.Array],
+  tx: optax.GradientTransformation,
+  *,
+  donate: bool = True,
+  has_aux: bool = False,
+):
   """A jitted ``(params, opt_state, batch) -> (params, opt_state, loss)``.
 
   With ``donate=True`` the step donates ``params`` and ``opt_state``
@@ -84,6 +90,7 @@ class StackedParams(NamedTuple):
       size ``L`` (the number of layers).
     head: parameters of ``head_fn`` (any pytree, may be empty).
   """
+
   embed: Any
   layers: Any
   head: Any
@@ -99,16 +106,20 @@ class LayerwiseState(NamedTuple):
     head: ``tx`` state of the head parameters.
     grad_norm: global gradient norm of the last step (before clipping).
   """
+
   embed: Any
   layers: Any
   head: Any
   grad_norm: jax.Array  # shape=(), dtype=float32.
 
 
-def stacked_loss_fn(embed_fn: Callable[[Any, Any], jax.Array],
-                    layer_fn: Callable[[Any, jax.Array], jax.Array],
-                    head_fn: Callable[[Any, jax.Array, Any], jax.Array], *,
-                    remat: bool = False):
+def stacked_loss_fn(
+  embed_fn: Callable[[Any, Any], jax.Array],
+  layer_fn: Callable[[Any, jax.Array], jax.Array],
+  head_fn: Callable[[Any, jax.Array, Any], jax.Array],
+  *,
+  remat: bool = False,
+):
   """The plain ``loss_fn(params: StackedParams, batch)`` of a layer stack.
 
   ``h_0 = embed_fn(embed, batch)``, ``h_{l+1} = layer_fn(layers[l], h_l)``
@@ -128,19 +139,26 @@ def stacked_loss_fn(embed_fn: Callable[[Any, Any], jax.Array],
 
 
 def _sum_squares(tree: Any) -> jax.Array:
-  return sum((jnp.sum(jnp.square(x.astype(jnp.float32)))
-              for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
+  return sum(
+    (jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)),
+    jnp.zeros((), jnp.float32),
+  )
 
 
 def _index(tree: Any, i: jax.Array) -> Any:
   return jax.tree.map(
-      lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+    lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree
+  )
 
 
 def _set_index(tree: Any, value: Any, i: jax.Array) -> Any:
   return jax.tree.map(
-      lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype),
-                                                       i, 0), tree, value)
+    lambda x, v: jax.lax.dynamic_update_index_in_dim(
+      x, v.astype(x.dtype), i, 0
+    ),
+    tree,
+    value,
+  )
 
 
 class LayerwiseStep:
@@ -164,10 +182,12 @@ class LayerwiseStep:
     """Per-part optimizer states; the layers' state is vmapped over layers."""
     if not isinstance(params, StackedParams):
       raise TypeError("`params` must be a StackedParams(embed, layers, head).")
-    return LayerwiseState(embed=self.tx.init(params.embed),
-                          layers=jax.vmap(self.tx.init)(params.layers),
-                          head=self.tx.init(params.head),
-                          grad_norm=jnp.zeros((), jnp.float32))
+    return LayerwiseState(
+      embed=self.tx.init(params.embed),
+      layers=jax.vmap(self.tx.init)(params.layers),
+      head=self.tx.init(params.head),
+      grad_norm=jnp.zeros((), jnp.float32),
+    )
 
   def _scale(self, prev_norm: jax.Array) -> jax.Array:
     if self.max_norm is None:
@@ -185,10 +205,12 @@ class LayerwiseStep:
     # Forward: keep only each layer's input.
     h0, embed_vjp = jax.vjp(lambda e: self.embed_fn(e, batch), params.embed)
     h_last, inputs = jax.lax.scan(
-        lambda h, p: (self.layer_fn(p, h), h), h0, params.layers)
+      lambda h, p: (self.layer_fn(p, h), h), h0, params.layers
+    )
     # Head: gradient, then update at once.
-    loss, head_vjp = jax.vjp(lambda hp, h: self.head_fn(hp, h, batch),
-                             params.head, h_last)
+    loss, head_vjp = jax.vjp(
+      lambda hp, h: self.head_fn(hp, h, batch), params.head, h_last
+    )
     g_head, dh = head_vjp(jnp.ones_like(loss))
     sq = _sum_squares(g_head)
     head, head_state = self._apply(g_head, state.head, params.head, scale)
@@ -207,28 +229,41 @@ class LayerwiseStep:
       # so every read of the old slices happens before the in-place writes
       # below. Without it XLA fuses the optimizer arithmetic into the writes,
       # reading whole stacks of state there, and keeps a copy of each stack.
-      p, s = jax.lax.cond(l >= 0, lambda a: self._apply(*a),
-                          lambda a: (a[2], a[1]), (g, s, p, scale))
-      return (dh, _set_index(layers, p, l), _set_index(layer_states, s, l),
-              sq + _sum_squares(g))
+      p, s = jax.lax.cond(
+        l >= 0,
+        lambda a: self._apply(*a),
+        lambda a: (a[2], a[1]),
+        (g, s, p, scale),
+      )
+      return (
+        dh,
+        _set_index(layers, p, l),
+        _set_index(layer_states, s, l),
+        sq + _sum_squares(g),
+      )
 
     dh, layers, layer_states, sq = jax.lax.fori_loop(
-        0, num_layers, body, (dh, params.layers, state.layers, sq))
+      0, num_layers, body, (dh, params.layers, state.layers, sq)
+    )
     # Embedding last.
     (g_embed,) = embed_vjp(dh)
     sq = sq + _sum_squares(g_embed)
     embed, embed_state = self._apply(g_embed, state.embed, params.embed, scale)
-    new_state = LayerwiseState(embed_state, layer_states, head_state,
-                               jnp.sqrt(sq))
+    new_state = LayerwiseState(
+      embed_state, layer_states, head_state, jnp.sqrt(sq)
+    )
     return StackedParams(embed, layers, head), new_state, loss
 
 
-def layerwise_train_step(embed_fn: Callable[[Any, Any], jax.Array],
-                         layer_fn: Callable[[Any, jax.Array], jax.Array],
-                         head_fn: Callable[[Any, jax.Array, Any], jax.Array],
-                         tx: optax.GradientTransformation, *,
-                         max_norm: float | None = None,
-                         donate: bool = True) -> LayerwiseStep:
+def layerwise_train_step(
+  embed_fn: Callable[[Any, Any], jax.Array],
+  layer_fn: Callable[[Any, jax.Array], jax.Array],
+  head_fn: Callable[[Any, jax.Array, Any], jax.Array],
+  tx: optax.GradientTransformation,
+  *,
+  max_norm: float | None = None,
+  donate: bool = True,
+) -> LayerwiseStep:
   r"""Fused backward + per-layer update for a stack of identical layers.
 
   The model is :math:`L = \mathrm{head}(f_{L-1} \circ \dots \circ f_0(
@@ -275,5 +310,6 @@ def layerwise_train_step(embed_fn: Callable[[Any, Any], jax.Array],
     Lv et al., "Full Parameter Fine-tuning for Large Language Models with
     Limited Resources" (LOMO), 2023, https://arxiv.org/abs/2306.09782
   """
-  return LayerwiseStep(embed_fn, layer_fn, head_fn, tx, max_norm=max_norm,
-                       donate=donate)
+  return LayerwiseStep(
+    embed_fn, layer_fn, head_fn, tx, max_norm=max_norm, donate=donate
+  )

@@ -62,7 +62,9 @@ References:
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +85,8 @@ _LOCAL_EXCHANGES = ("dense", "all_gather", "shared_support")
 # The argument checks of the exchanges (same messages as sparse_pmean's).
 def _check_exchange(exchange: Any) -> str:
   return exchange_lib._check_choice(  # pylint: disable=protected-access
-      "exchange", exchange, _LOCAL_EXCHANGES)
+    "exchange", exchange, _LOCAL_EXCHANGES
+  )
 
 
 _check_fraction = exchange_lib._check_fraction  # pylint: disable=protected-access
@@ -91,12 +94,13 @@ _check_fraction = exchange_lib._check_fraction  # pylint: disable=protected-acce
 
 def _check_chunk_size(chunk_size: Any) -> int:
   return exchange_lib._check_int(  # pylint: disable=protected-access
-      "chunk_size", chunk_size, 1)
+    "chunk_size", chunk_size, 1
+  )
 
 
-def default_outer_optimizer(learning_rate: float = 0.7,
-                            momentum: float = 0.9
-                            ) -> optax.GradientTransformation:
+def default_outer_optimizer(
+  learning_rate: float = 0.7, momentum: float = 0.9
+) -> optax.GradientTransformation:
   """DiLoCo's outer optimizer: Nesterov SGD (lr 0.7, momentum 0.9).
 
   Args:
@@ -126,21 +130,24 @@ QUANTIZE = (None, "int8")
 
 def _check_quantize(quantize: Any, exchange: str) -> Any:
   if quantize not in QUANTIZE:
-    raise ValueError(f"`quantize` must be one of {QUANTIZE}, got "
-                     f"{quantize!r}.")
+    raise ValueError(f"`quantize` must be one of {QUANTIZE}, got {quantize!r}.")
   if quantize is not None and exchange == "all_gather":
-    raise ValueError("`quantize='int8'` needs `exchange` 'dense' or "
-                     "'shared_support' (a summed payload), got 'all_gather'.")
+    raise ValueError(
+      "`quantize='int8'` needs `exchange` 'dense' or "
+      "'shared_support' (a summed payload), got 'all_gather'."
+    )
   return quantize
 
 
 def int8_levels(num_replicas: int) -> int:
   """Levels ``L = floor(127 / W)`` of the int8 payload: ``W`` replicas'
   values in ``[-L, L]`` sum to at most 127 in magnitude, so the int8
-  all-reduce is exact (no overflow, no rounding in the sum)."""
+  all-reduce is exact (no overflow, no rounding in the sum).
+  """
   if num_replicas > 127:
-    raise ValueError(f"the int8 exchange supports at most 127 replicas, got "
-                     f"{num_replicas}.")
+    raise ValueError(
+      f"the int8 exchange supports at most 127 replicas, got {num_replicas}."
+    )
   return 127 // num_replicas
 
 
@@ -154,8 +161,7 @@ def _chunks(a: jax.Array, chunk_size: int) -> jax.Array:
   return c.reshape(m, width)
 
 
-def _int8_pmean(accs, axis_name, num_replicas, fraction, chunk_size,
-                select):
+def _int8_pmean(accs, axis_name, num_replicas, fraction, chunk_size, select):
   """Mean of the chosen chunks, exchanged as int8 with per-chunk scales.
 
   Chunks as in the shared support (``select``: chosen by the all-reduced
@@ -167,29 +173,34 @@ def _int8_pmean(accs, axis_name, num_replicas, fraction, chunk_size,
   (the rounding error and the chunks not chosen).
   """
   levels = int8_levels(num_replicas)
-  chunked = [None if a.size == 0 else _chunks(a.astype(jnp.float32),
-                                              chunk_size) for a in accs]
+  chunked = [
+    None if a.size == 0 else _chunks(a.astype(jnp.float32), chunk_size)
+    for a in accs
+  ]
   live = [c for c in chunked if c is not None]
   if not live:
     return [jnp.zeros(a.shape, a.dtype) for a in accs], list(accs)
   picks = [jnp.arange(c.shape[0]) for c in live]
   if select:
-    scores = jax.lax.psum(jnp.concatenate(
-        [jnp.sum(jnp.square(c), axis=1) for c in live]), axis_name)
+    scores = jax.lax.psum(
+      jnp.concatenate([jnp.sum(jnp.square(c), axis=1) for c in live]), axis_name
+    )
     picks, offset = [], 0
     for c in live:
       m = c.shape[0]
-      _, idx = jax.lax.top_k(scores[offset:offset + m],
-                             distributed.num_kept(m, fraction))
+      _, idx = jax.lax.top_k(
+        scores[offset : offset + m], distributed.num_kept(m, fraction)
+      )
       picks.append(idx)
       offset += m
   sel = [c[idx] for c, idx in zip(live, picks)]
-  scale = jax.lax.pmax(jnp.concatenate(
-      [jnp.max(jnp.abs(x), axis=1) for x in sel]), axis_name)
+  scale = jax.lax.pmax(
+    jnp.concatenate([jnp.max(jnp.abs(x), axis=1) for x in sel]), axis_name
+  )
   scale = jnp.where(scale > 0, scale, 1.0)
   qs, offset = [], 0
   for x in sel:
-    sc = scale[offset:offset + x.shape[0], None]
+    sc = scale[offset : offset + x.shape[0], None]
     offset += x.shape[0]
     qs.append(jnp.clip(jnp.round(x * levels / sc), -levels, levels))
   flat = jnp.concatenate([q.reshape(-1) for q in qs]).astype(jnp.int8)
@@ -203,23 +214,30 @@ def _int8_pmean(accs, axis_name, num_replicas, fraction, chunk_size,
     idx, q = picks[j], qs[j]
     j += 1
     k, width = q.shape
-    sc = scale[soff:soff + k, None] / levels
+    sc = scale[soff : soff + k, None] / levels
     soff += k
-    block = total[offset:offset + k * width].reshape(k, width)
+    block = total[offset : offset + k * width].reshape(k, width)
     offset += k * width
-    mean = jnp.zeros(c.shape, jnp.float32).at[idx].set(
-        block * sc / num_replicas)
+    mean = (
+      jnp.zeros(c.shape, jnp.float32).at[idx].set(block * sc / num_replicas)
+    )
     res = c.at[idx].add(-q * sc)
-    means.append(mean.reshape(-1)[:a.size].reshape(a.shape).astype(a.dtype))
-    residuals.append(res.reshape(-1)[:a.size].reshape(a.shape).astype(
-        a.dtype))
+    means.append(mean.reshape(-1)[: a.size].reshape(a.shape).astype(a.dtype))
+    residuals.append(res.reshape(-1)[: a.size].reshape(a.shape).astype(a.dtype))
   return means, residuals
 
 
-def exchange_mean(tree: Any, residual: Any, axis_name: AxisName, *,
-                  num_replicas: int, exchange: str = "dense",
-                  fraction: float = 0.3, chunk_size: int = 64,
-                  quantize: Any = None) -> tuple[Any, Any]:
+def exchange_mean(
+  tree: Any,
+  residual: Any,
+  axis_name: AxisName,
+  *,
+  num_replicas: int,
+  exchange: str = "dense",
+  fraction: float = 0.3,
+  chunk_size: int = 64,
+  quantize: Any = None,
+) -> tuple[Any, Any]:
   """:func:`grpo_optax.training.sparse_pmean`, or its int8 payload form.
 
   With ``quantize=None`` this is ``sparse_pmean`` (float payload). With
@@ -245,26 +263,48 @@ def exchange_mean(tree: Any, residual: Any, axis_name: AxisName, *,
   """
   quantize = _check_quantize(quantize, exchange)
   if quantize is None:
-    return distributed.sparse_pmean(tree, residual, axis_name,
-                                    exchange=exchange, fraction=fraction,
-                                    chunk_size=chunk_size)
+    return distributed.sparse_pmean(
+      tree,
+      residual,
+      axis_name,
+      exchange=exchange,
+      fraction=fraction,
+      chunk_size=chunk_size,
+    )
   leaves, treedef = jax.tree.flatten(tree)
   if residual is not None:
-    leaves = [x + r.astype(x.dtype)
-              for x, r in zip(leaves, treedef.flatten_up_to(residual))]
+    leaves = [
+      x + r.astype(x.dtype)
+      for x, r in zip(leaves, treedef.flatten_up_to(residual))
+    ]
   means, residuals = _int8_pmean(
-      leaves, axis_name, num_replicas, _check_fraction(fraction),
-      _check_chunk_size(chunk_size), select=exchange == "shared_support")
-  return (treedef.unflatten(means),
-          None if residual is None else treedef.unflatten(residuals))
+    leaves,
+    axis_name,
+    num_replicas,
+    _check_fraction(fraction),
+    _check_chunk_size(chunk_size),
+    select=exchange == "shared_support",
+  )
+  return (
+    treedef.unflatten(means),
+    None if residual is None else treedef.unflatten(residuals),
+  )
 
 
-def outer_step(outer_params: Any, local_params: Any, outer_opt_state: Any,
-               axis_name: AxisName, *, outer_tx: optax.GradientTransformation,
-               participate: Any = True, error_feedback: bool = True,
-               exchange: str = "dense", fraction: float = 0.3,
-               chunk_size: int = 64, quantize: Any = None
-               ) -> tuple[Any, Any, Any, jax.Array]:
+def outer_step(
+  outer_params: Any,
+  local_params: Any,
+  outer_opt_state: Any,
+  axis_name: AxisName,
+  *,
+  outer_tx: optax.GradientTransformation,
+  participate: Any = True,
+  error_feedback: bool = True,
+  exchange: str = "dense",
+  fraction: float = 0.3,
+  chunk_size: int = 64,
+  quantize: Any = None,
+) -> tuple[Any, Any, Any, jax.Array]:
   r"""The outer step of a local-step round, inside :func:`jax.shard_map`.
 
   Call it after each replica's ``H`` inner steps, with ``outer_params``
@@ -311,12 +351,20 @@ def outer_step(outer_params: Any, local_params: Any, outer_opt_state: Any,
   k = jax.lax.psum(m, axis_name)
   w = jax.lax.axis_size(axis_name)
   scale = jnp.where(k > 0, m * w / jnp.maximum(k, 1.0), 0.0)
-  delta = jax.tree.map(lambda t, x: ((t - x) * scale).astype(x.dtype),
-                       outer_params, local_params)
+  delta = jax.tree.map(
+    lambda t, x: ((t - x) * scale).astype(x.dtype), outer_params, local_params
+  )
   zeros = jax.tree.map(jnp.zeros_like, delta) if error_feedback else None
   mean, left = exchange_mean(
-      delta, zeros, axis_name, num_replicas=w, exchange=exchange,
-      fraction=fraction, chunk_size=chunk_size, quantize=quantize)
+    delta,
+    zeros,
+    axis_name,
+    num_replicas=w,
+    exchange=exchange,
+    fraction=fraction,
+    chunk_size=chunk_size,
+    quantize=quantize,
+  )
   unsent = None
   if error_feedback:
     back = jnp.where(m > 0, k / w, 0.0)
@@ -324,8 +372,12 @@ def outer_step(outer_params: Any, local_params: Any, outer_opt_state: Any,
   updates, new_state = outer_tx.update(mean, outer_opt_state, outer_params)
   new_params = optax.apply_updates(outer_params, updates)
   reported = k > 0
-  return (_where(reported, new_params, outer_params),
-          _where(reported, new_state, outer_opt_state), unsent, k)
+  return (
+    _where(reported, new_params, outer_params),
+    _where(reported, new_state, outer_opt_state),
+    unsent,
+    k,
+  )
 
 
 class LocalStepsState(NamedTuple):
@@ -342,6 +394,7 @@ class LocalStepsState(NamedTuple):
       for the dense float exchange, or without error feedback.
     round: completed rounds (``shape=(), dtype=int32``), replicated.
   """
+
   params: Any
   outer_opt_state: Any
   inner_opt_state: Any
@@ -356,7 +409,8 @@ def _check_local_steps(local_steps: Any) -> int:
     h = operator.index(local_steps)
   except TypeError:
     raise ValueError(
-        f"`local_steps` must be an int >= 1, got {local_steps!r}.") from None
+      f"`local_steps` must be an int >= 1, got {local_steps!r}."
+    ) from None
   if h < 1:
     raise ValueError(f"`local_steps` must be an int >= 1, got {h}.")
   return h
@@ -383,33 +437,56 @@ class LocalSteps:
     error_feedback: whether the state holds the unsent parts.
   """
 
-  def __init__(self, loss_fn, tx, mesh, *, local_steps, outer_tx, axis,
-               exchange, fraction, error_feedback, chunk_size, quantize,
-               donate):
+  def __init__(
+    self,
+    loss_fn,
+    tx,
+    mesh,
+    *,
+    local_steps,
+    outer_tx,
+    axis,
+    exchange,
+    fraction,
+    error_feedback,
+    chunk_size,
+    quantize,
+    donate,
+  ):
     if not callable(loss_fn):
       raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn)}.")
     for name, t in (("tx", tx), ("outer_tx", outer_tx)):
       if not _is_tx(t):
-        raise TypeError(f"`{name}` must be an optax GradientTransformation "
-                        f"(with init and update), got {type(t)}.")
+        raise TypeError(
+          f"`{name}` must be an optax GradientTransformation "
+          f"(with init and update), got {type(t)}."
+        )
     if not isinstance(mesh, Mesh):
       raise TypeError(f"`mesh` must be a jax.sharding.Mesh, got {type(mesh)}.")
     if tuple(mesh.axis_names) != (axis,):
-      raise ValueError(f"`mesh` must have the single axis `axis` ({axis!r}), "
-                       f"got the axes {tuple(mesh.axis_names)}.")
+      raise ValueError(
+        f"`mesh` must have the single axis `axis` ({axis!r}), "
+        f"got the axes {tuple(mesh.axis_names)}."
+      )
     if not isinstance(error_feedback, bool):
-      raise TypeError(f"`error_feedback` must be a bool, got "
-                      f"{error_feedback!r}.")
+      raise TypeError(
+        f"`error_feedback` must be a bool, got {error_feedback!r}."
+      )
     self.exchange = _check_exchange(exchange)
     self.fraction = _check_fraction(fraction)
     self.chunk_size = _check_chunk_size(chunk_size)
     self.local_steps = _check_local_steps(local_steps)
     self.quantize = _check_quantize(quantize, self.exchange)
-    self.loss_fn, self.tx, self.outer_tx, self.mesh = (loss_fn, tx, outer_tx,
-                                                       mesh)
+    self.loss_fn, self.tx, self.outer_tx, self.mesh = (
+      loss_fn,
+      tx,
+      outer_tx,
+      mesh,
+    )
     self.axis = axis
-    self.error_feedback = error_feedback and (exchange != "dense"
-                                              or quantize is not None)
+    self.error_feedback = error_feedback and (
+      exchange != "dense" or quantize is not None
+    )
     self.num_replicas = mesh.shape[axis]
     if quantize is not None:
       int8_levels(self.num_replicas)
@@ -417,9 +494,12 @@ class LocalSteps:
     self._per_replica = NamedSharding(mesh, P(axis))
     self._batch_sharding = NamedSharding(mesh, P(None, axis))
     specs = LocalStepsState(P(), P(), P(axis), P(axis), P())
-    mapped = jax.shard_map(self._replica_round, mesh=mesh,
-                           in_specs=(specs, P(None, axis), P(axis)),
-                           out_specs=(specs, P()))
+    mapped = jax.shard_map(
+      self._replica_round,
+      mesh=mesh,
+      in_specs=(specs, P(None, axis), P(axis)),
+      out_specs=(specs, P()),
+    )
     self._round = jax.jit(mapped, donate_argnums=(0,) if donate else ())
 
   # -- state and data -------------------------------------------------------
@@ -436,16 +516,17 @@ class LocalSteps:
     w = self.num_replicas
 
     def stack(p):
-      return jax.tree.map(lambda x: jnp.broadcast_to(x, (w,) + x.shape),
-                          self.tx.init(p))
+      return jax.tree.map(
+        lambda x: jnp.broadcast_to(x, (w,) + x.shape), self.tx.init(p)
+      )
 
     inner = jax.jit(stack, out_shardings=self._per_replica)(params)
     unsent = None
     if self.error_feedback:
       unsent = jax.jit(
-          lambda p: jax.tree.map(lambda x: jnp.zeros((w,) + x.shape, x.dtype),
-                                 p),
-          out_shardings=self._per_replica)(params)
+        lambda p: jax.tree.map(lambda x: jnp.zeros((w,) + x.shape, x.dtype), p),
+        out_shardings=self._per_replica,
+      )(params)
     count = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
     return LocalStepsState(params, outer, inner, unsent, count)
 
@@ -454,12 +535,16 @@ class LocalSteps:
     to_global = distributed._to_global  # pylint: disable=protected-access
     for x in jax.tree.leaves(batches):
       shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
-      if len(shape) < 2 or shape[0] != self.local_steps or (
-          shape[1] % self.num_replicas):
+      if (
+        len(shape) < 2
+        or shape[0] != self.local_steps
+        or (shape[1] % self.num_replicas)
+      ):
         raise ValueError(
-            f"`batches` leaves need the shape (local_steps={self.local_steps},"
-            f" B, ...) with B divisible by the {self.num_replicas} replicas; "
-            f"got a leaf of shape {shape}.")
+          f"`batches` leaves need the shape (local_steps={self.local_steps},"
+          f" B, ...) with B divisible by the {self.num_replicas} replicas; "
+          f"got a leaf of shape {shape}."
+        )
     return jax.tree.map(lambda x: to_global(x, self._batch_sharding), batches)
 
   def participation(self, mask: Any = None) -> jax.Array:
@@ -471,15 +556,18 @@ class LocalSteps:
       return to_global(mask, self._per_replica)
     shape = np.shape(mask)
     if shape != (self.num_replicas,):
-      raise ValueError(f"`participation` must have the shape "
-                       f"({self.num_replicas},) (one entry per replica), got "
-                       f"{shape}.")
+      raise ValueError(
+        f"`participation` must have the shape "
+        f"({self.num_replicas},) (one entry per replica), got "
+        f"{shape}."
+      )
     if not isinstance(mask, jax.Array):
       mask = np.asarray(mask, np.float32)
     return to_global(mask, self._per_replica)
 
-  def round(self, state: LocalStepsState, batches: Any,
-            participation: Any = None):
+  def round(
+    self, state: LocalStepsState, batches: Any, participation: Any = None
+  ):
     """One round on ``batches`` (leaves ``(H, global batch, ...)``).
 
     Args:
@@ -491,16 +579,19 @@ class LocalSteps:
     Returns:
       ``(new_state, loss)``, ``loss`` the mean inner loss of all replicas.
     """
-    return self._round(state, self.shard_batches(batches),
-                       self.participation(participation))
+    return self._round(
+      state, self.shard_batches(batches), self.participation(participation)
+    )
 
   __call__ = round
 
-  def lower(self, state: LocalStepsState, batches: Any,
-            participation: Any = None) -> jax.stages.Lowered:
+  def lower(
+    self, state: LocalStepsState, batches: Any, participation: Any = None
+  ) -> jax.stages.Lowered:
     """The lowered round for ``state, batches`` (for analysis)."""
-    return self._round.lower(state, self.shard_batches(batches),
-                             self.participation(participation))
+    return self._round.lower(
+      state, self.shard_batches(batches), self.participation(participation)
+    )
 
   # -- the program ----------------------------------------------------------
 
@@ -511,40 +602,61 @@ class LocalSteps:
       updates, s = self.tx.update(grads, s, p)
       return (optax.apply_updates(p, updates), s), loss
 
-    (params, opt_state), losses = jax.lax.scan(body, (params, opt_state),
-                                               batches)
+    (params, opt_state), losses = jax.lax.scan(
+      body, (params, opt_state), batches
+    )
     return params, opt_state, jnp.mean(losses)
 
   def _replica_round(self, state: LocalStepsState, batches, mask):
     inner0 = jax.tree.map(lambda x: x[0], state.inner_opt_state)
     # Varying params: each replica trains its own copy; no implicit psum.
     start = jax.lax.pcast(state.params, self.axis, to="varying")
-    if state.unsent is not None:   # Keep what the last exchange did not send.
+    if state.unsent is not None:  # Keep what the last exchange did not send.
       start = jax.tree.map(lambda p, e: p - e[0], start, state.unsent)
     local, inner, loss = self._inner(start, inner0, batches)
     m = mask[0]
     params, outer, unsent, _ = outer_step(
-        state.params, local, state.outer_opt_state, self.axis,
-        outer_tx=self.outer_tx, participate=m,
-        error_feedback=self.error_feedback, exchange=self.exchange,
-        fraction=self.fraction, chunk_size=self.chunk_size,
-        quantize=self.quantize)
-    inner = _where(m > 0, inner, inner0)   # A missing replica's work is lost.
-    stack = lambda tree: None if tree is None else jax.tree.map(
-        lambda x: x[None], tree)
-    new = LocalStepsState(params, outer, stack(inner), stack(unsent),
-                          optax.safe_increment(state.round))
+      state.params,
+      local,
+      state.outer_opt_state,
+      self.axis,
+      outer_tx=self.outer_tx,
+      participate=m,
+      error_feedback=self.error_feedback,
+      exchange=self.exchange,
+      fraction=self.fraction,
+      chunk_size=self.chunk_size,
+      quantize=self.quantize,
+    )
+    inner = _where(m > 0, inner, inner0)  # A missing replica's work is lost.
+    stack = lambda tree: (
+      None if tree is None else jax.tree.map(lambda x: x[None], tree)
+    )
+    new = LocalStepsState(
+      params,
+      outer,
+      stack(inner),
+      stack(unsent),
+      optax.safe_increment(state.round),
+    )
     return new, jax.lax.pmean(loss, self.axis)
 
 
-def local_steps_step(loss_fn: Callable[[Any, Any], Any],
-                     tx: optax.GradientTransformation, mesh: Mesh, *,
-                     local_steps: int,
-                     outer_tx: optax.GradientTransformation | None = None,
-                     axis: str = "data", exchange: str = "dense",
-                     fraction: float = 0.3, error_feedback: bool = True,
-                     chunk_size: int = 64, quantize: Any = None,
-                     donate: bool = True) -> LocalSteps:
+def local_steps_step(
+  loss_fn: Callable[[Any, Any], Any],
+  tx: optax.GradientTransformation,
+  mesh: Mesh,
+  *,
+  local_steps: int,
+  outer_tx: optax.GradientTransformation | None = None,
+  axis: str = "data",
+  exchange: str = "dense",
+  fraction: float = 0.3,
+  error_feedback: bool = True,
+  chunk_size: int = 64,
+  quantize: Any = None,
+  donate: bool = True,
+) -> LocalSteps:
   r"""Local-step (DiLoCo) data parallelism over ``mesh``.
 
   One *round* per call: every replica :math:`i` starts from the outer
@@ -592,10 +704,20 @@ def local_steps_step(loss_fn: Callable[[Any, Any], Any],
   """
   if outer_tx is None:
     outer_tx = default_outer_optimizer()
-  return LocalSteps(loss_fn, tx, mesh, local_steps=local_steps,
-                    outer_tx=outer_tx, axis=axis, exchange=exchange,
-                    fraction=fraction, error_feedback=error_feedback,
-                    chunk_size=chunk_size, quantize=quantize, donate=donate)
+  return LocalSteps(
+    loss_fn,
+    tx,
+    mesh,
+    local_steps=local_steps,
+    outer_tx=outer_tx,
+    axis=axis,
+    exchange=exchange,
+    fraction=fraction,
+    error_feedback=error_feedback,
+    chunk_size=chunk_size,
+    quantize=quantize,
+    donate=donate,
+  )
 
 
 def round_traffic_per_step(compiled: Any, local_steps: int) -> float:
@@ -612,6 +734,14 @@ def round_traffic_per_step(compiled: Any, local_steps: int) -> float:
   return distributed.ring_traffic(compiled)["total"] / h
 
 
-__all__ = ("LocalSteps", "LocalStepsState", "QUANTIZE",
-           "default_outer_optimizer", "exchange_mean", "int8_levels",
-           "local_steps_step", "outer_step", "round_traffic_per_step")
+__all__ = (
+  "LocalSteps",
+  "LocalStepsState",
+  "QUANTIZE",
+  "default_outer_optimizer",
+  "exchange_mean",
+  "int8_levels",
+  "local_steps_step",
+  "outer_step",
+  "round_traffic_per_step",
+)
