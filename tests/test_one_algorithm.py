@@ -257,6 +257,7 @@ def test_knob_table_covers_every_keyword():
   assert set(KNOBS) == names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [None, False])
 @pytest.mark.parametrize("name", sorted(KNOBS))
 def test_every_keyword_changes_the_update(name, fused):
