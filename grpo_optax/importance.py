@@ -90,6 +90,24 @@ def _static_order(order: Any) -> int | None:
   return None
 
 
+def _extra_leaves(treedef, n, hessian_diag, head_entropy):
+  """The leaves of the ``hessian_diag`` and ``head_entropy`` extra args."""
+  hd_leaves = (
+    treedef.flatten_up_to(hessian_diag)
+    if hessian_diag is not None
+    else [None] * n
+  )
+  if head_entropy is None:
+    return hd_leaves, [None] * n
+  try:
+    return hd_leaves, treedef.flatten_up_to(head_entropy)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+      "scale_by_importance: `head_entropy` must have the updates' tree"
+      f" structure with None for unweighted leaves: {e}"
+    ) from None
+
+
 def scale_by_importance(
   order: int = 2,
   decay: float = 0.9,
@@ -221,21 +239,9 @@ def scale_by_importance(
     h_leaves = (
       treedef.flatten_up_to(state.hessian) if second else [None] * len(g_leaves)
     )
-    hd_leaves = (
-      treedef.flatten_up_to(hessian_diag)
-      if hessian_diag is not None
-      else [None] * len(g_leaves)
+    hd_leaves, ent_leaves = _extra_leaves(
+      treedef, len(g_leaves), hessian_diag, head_entropy
     )
-    if head_entropy is not None:
-      try:
-        ent_leaves = treedef.flatten_up_to(head_entropy)
-      except (ValueError, TypeError) as e:
-        raise ValueError(
-          "scale_by_importance: `head_entropy` must have the updates' tree"
-          f" structure with None for unweighted leaves: {e}"
-        ) from None
-    else:
-      ent_leaves = [None] * len(g_leaves)
 
     new_h, new_s, outs = [], [], []
     stats = _common.SampledMoments()
