@@ -236,8 +236,9 @@ def grid_sample(
     y = jax.lax.reshape(
       x,
       shape,
-      out_sharding=jax.sharding.PartitionSpec(
-        *[e for axis in spec for e in (axis, None)]
+      out_sharding=jax.sharding.NamedSharding(
+        jax.typeof(x).sharding.mesh,
+        jax.sharding.PartitionSpec(*[e for axis in spec for e in (axis, None)]),
       ),
     )
   y = jax.lax.dynamic_slice(y, starts, sizes)

@@ -194,11 +194,10 @@ def bisect_thresholds(
   """For each sample, the value above which ``fraction`` of it lies.
 
   24 bisection steps between the sample's min and max, counting entries
-  ``>= mid``: O(m) per step and no sort. All samples share one loop; the
-  samples of one shape are stacked and counted by one reduction per step
-  (over every axis but the stack's, so a sharded sample is counted shard by
-  shard plus an all-reduce of one count per sample): the program grows with
-  the number of distinct sample shapes, not of leaves.
+  ``>= mid``: O(m) per step and no sort. All samples share one loop whose
+  carry holds one ``(lo, hi, count at lo)`` triple per sample; each sample
+  is counted by its own reduction over all of its axes, so a sharded sample
+  is counted shard by shard plus a scalar all-reduce.
 
   Args:
     samples: float arrays of any shape.
@@ -212,23 +211,16 @@ def bisect_thresholds(
   if not samples:
     return ([], []) if with_kept else []
   samples = [x.astype(jnp.float32) for x in samples]
-  # Samples of one shape are bisected together as one stacked array: one
-  # reduction per shape and iteration instead of one per leaf (XLA's compile
-  # time grows with the number of kernels). Same arithmetic per sample.
-  groups: dict[tuple[int, ...], list[int]] = {}
-  for i, x in enumerate(samples):
-    groups.setdefault(x.shape, []).append(i)
-  stacks = [jnp.stack([samples[i] for i in idx]) for idx in groups.values()]
-  axes = [tuple(range(1, x.ndim)) for x in stacks]
-  targets = [fraction * (x.size // x.shape[0]) for x in stacks]
+  # One reduction per sample and step (stacking the samples of one shape
+  # would cut the program but makes XLA reshard samples of differently
+  # sharded leaves).
+  targets = [fraction * x.size for x in samples]
 
   def body(_, bounds):
     out = []
-    for x, ax, target, (lo, hi, c_lo) in zip(stacks, axes, targets, bounds):
+    for x, target, (lo, hi, c_lo) in zip(samples, targets, bounds):
       mid = 0.5 * (lo + hi)
-      count = jnp.sum(
-        x >= mid.reshape(mid.shape + (1,) * len(ax)), axis=ax, dtype=jnp.float32
-      )
+      count = jnp.sum(x >= mid, dtype=jnp.float32)
       keeps_enough = count >= target
       out.append(
         (
@@ -244,25 +236,18 @@ def bisect_thresholds(
     _BISECTION_STEPS,
     body,
     [
-      (
-        jnp.min(x, axis=ax),
-        jnp.max(x, axis=ax),
-        jnp.full((x.shape[0],), x.size // x.shape[0], jnp.float32),
-      )
-      for x, ax in zip(stacks, axes)
+      (jnp.min(x), jnp.max(x), jnp.asarray(x.size, jnp.float32))
+      for x in samples
     ],
   )
   # Keeping everything (a warm-up's first step) must not drop the entries
   # that lie below the sample's minimum.
   keep_all = jnp.asarray(fraction) >= 1
-  thresholds = [None] * len(samples)
-  kept = [None] * len(samples)
-  for idx, x, (lo, _, c) in zip(groups.values(), stacks, bounds):
-    los = _common.unstack(lo)
-    cs = _common.unstack(c / (x.size // x.shape[0]))
-    for j, i in enumerate(idx):
-      thresholds[i] = jnp.where(keep_all, 0.0, los[j])
-      kept[i] = jnp.where(keep_all, 1.0, cs[j])
+  thresholds = [jnp.where(keep_all, 0.0, lo) for lo, _, _ in bounds]
+  kept = [
+    jnp.where(keep_all, 1.0, c / x.size)
+    for (_, _, c), x in zip(bounds, samples)
+  ]
   if not with_kept:
     return thresholds
   return thresholds, kept
