@@ -103,6 +103,12 @@ T_MOM = ("tests/test_momentum.py",)
 T_FUSED = ("tests/test_fused.py",)
 T_CLIP = ("tests/test_clipping.py",)
 T_FREEZE = ("tests/test_freezing.py",)
+# tests/test_one_algorithm.py by node: the fused core against the chain of
+# its rooms, and every keyword changing the update.
+T_ONE = ("tests/test_one_algorithm.py::"
+         "test_fused_core_equals_the_chain_of_its_rooms",)
+T_KNOBS = ("tests/test_one_algorithm.py::"
+           "test_every_keyword_changes_the_update",)
 T_WIRING = ("tests/test_preset_wiring.py",)
 T_METRICS = ("tests/test_diagnostics.py::test_metrics_match_independent_values",
              "tests/test_diagnostics.py::test_importance_converged",
@@ -436,7 +442,7 @@ MUTANTS: list[Mutant] = [
         "    thr, tau = threshold_leaf_thresholds(",
         "dense = [False for g in leaves]\n"
         "    thr, tau = threshold_leaf_thresholds(",
-        ("tests/test_sparsify.py", "tests/test_one_algorithm.py"),
+        sp("test_min_size_passes_small_leaves_dense") + T_ONE + T_KNOBS,
         "ema_threshold_mask masks leaves smaller than min_size"),
     Mutant(
         "keep_mask_keeps_zeros", "grpo_optax/sparsify.py",
@@ -456,8 +462,7 @@ MUTANTS: list[Mutant] = [
         "                      for (_, _, c), x in zip(bounds, samples)]",
         "return thresholds, [jnp.where(keep_all, 1.0, c / t)\n"
         "                      for (_, _, c), t in zip(bounds, targets)]",
-        ("tests/test_fused.py::test_kept_fraction_of_the_sampled_top_k",
-         "tests/test_sparsify.py"),
+        ("tests/test_fused.py::test_kept_fraction_of_the_sampled_top_k",),
         "kept fraction from the bisection carry divided by the target count,"
         " not the sample size",),
     Mutant(
@@ -555,71 +560,71 @@ MUTANTS: list[Mutant] = [
         "if requested is not None:\n    return jnp.dtype(requested)",
         "if requested is not None and jnp.dtype(param_dtype) != jnp.float16:\n"
         "    return jnp.dtype(requested)",
-        ("tests/test_momentum.py", "tests/test_dropin.py"),
+        T_MOM + ("tests/test_dropin.py::test_float16_params_keep_float32_moments",),
         "nu_dtype / mu_dtype ignored for float16 params"),
     # -- fused.py -------------------------------------------------------------
     Mutant(
         "fused_moments_see_the_unmasked_gradient", "grpo_optax/fused.py",
         "m = wide(_masked(a, th, True))", "m = wide(a)",
-        ("tests/test_one_algorithm.py", *T_FUSED),
+        T_ONE + T_FUSED,
         "Adam's moments updated with the gradient before the mask"),
     Mutant(
         "fused_update_sees_the_unmasked_gradient", "grpo_optax/fused.py",
         "g = wide(_masked(a, th, False))", "g = wide(a)",
-        ("tests/test_one_algorithm.py", *T_FUSED),
+        T_ONE + T_FUSED,
         "the Nesterov/RMS terms of the update use the unmasked gradient"),
     Mutant(
         "fused_update_sees_the_dropped_part", "grpo_optax/fused.py",
         "return kept if for_moments else a - dropped",
         "return kept if for_moments else dropped",
-        ("tests/test_one_algorithm.py", *T_FUSED),
+        T_ONE + T_FUSED,
         "the update's gradient term is the masked-out part"),
     Mutant(
         "fused_nesterov_next_correction_is_current", "grpo_optax/fused.py",
         "bc1_next = _common.bias_correction(cfg.b1, optax.safe_increment(t1))",
         "bc1_next = _common.bias_correction(cfg.b1, t1)",
-        T_FUSED + ("tests/test_one_algorithm.py",),
+        T_FUSED + T_ONE,
         "NAdam's look-ahead corrected with 1 - b1^(t+1)"),
     Mutant(
         "fused_mu_not_bias_corrected", "grpo_optax/fused.py",
         "mu_hat = mu_new / bc1.astype(mu_new.dtype)", "mu_hat = mu_new",
-        ("tests/test_one_algorithm.py", *T_FUSED),
+        T_ONE + T_FUSED,
         "plain Adam's first moment without bias correction"),
     Mutant(
         "fused_rms_correction_inverted", "grpo_optax/fused.py",
         "nu_hat if cfg.rms_bias_correction else nu_new,",
         "nu_new if cfg.rms_bias_correction else nu_hat,",
-        T_FUSED + ("tests/test_one_algorithm.py",),
+        T_FUSED + T_ONE,
         "rms_bias_correction inverted"),
     Mutant(
         "fused_l2_only_in_the_norm", "grpo_optax/fused.py",
         "a = g if p_leaves is None else g + cfg.l2 * p_leaves[i]",
         "a = g",
-        ("tests/test_one_algorithm.py", *T_FUSED),
+        T_ONE + T_FUSED,
         "the fused clip leaves the coupled L2 term out of the update"),
     Mutant(
         "fused_clip_state_not_advanced", "grpo_optax/fused.py",
         "return out, clipping.next_state(state, norm, cfg.max_norm)",
         "return out, state",
-        ("tests/test_one_algorithm.py", *T_FUSED),
+        T_ONE + T_FUSED,
         "the fused clip's counters never move"),
     Mutant(
         "fused_mask_count_not_advanced", "grpo_optax/fused.py",
         "count=optax.safe_increment(t),\n      accumulator=(treedef.unflatten(a_leaves)",
         "count=t,\n      accumulator=(treedef.unflatten(a_leaves)",
-        ("tests/test_one_algorithm.py", *T_FUSED),
+        T_ONE + T_FUSED,
         "the fused mask's count stays 0 (warm-up and draws frozen)"),
     Mutant(
         "fused_accumulator_stores_the_gradient", "grpo_optax/fused.py",
         "accumulator=(treedef.unflatten(a_leaves) if cfg.error_feedback",
         "accumulator=(treedef.unflatten(x_leaves) if cfg.error_feedback",
-        ("tests/test_one_algorithm.py", *T_FUSED),
+        T_ONE + T_FUSED,
         "the fused core's accumulator holds g, not g + r"),
     Mutant(
         "fused_min_size_ignored", "grpo_optax/fused.py",
         "dense = [sparsify.dense_leaf(x.size, cfg.min_size) for x in x_leaves]",
         "dense = [False for x in x_leaves]",
-        ("tests/test_one_algorithm.py", *T_FUSED),
+        T_ONE + T_FUSED,
         "the fused mask masks small leaves too"),
     # -- clipping.py ----------------------------------------------------------
     Mutant(
@@ -714,7 +719,7 @@ MUTANTS: list[Mutant] = [
         "  stages.append(optax.scale_by_learning_rate(learning_rate))\n",
         "    stages.append(optax.scale_by_learning_rate(learning_rate))\n"
         "  stages.append(optax.add_decayed_weights(weight_decay, weight_decay_mask))\n",
-        T_WIRING + ("tests/test_dropin.py",),
+        T_WIRING + T_KNOBS,
         "decoupled weight decay added after the learning rate"),
     Mutant(
         "preset_threshold_error_feedback_fixed", "grpo_optax/presets.py",
@@ -722,31 +727,31 @@ MUTANTS: list[Mutant] = [
         '          min_size=("min_size", min_size)),',
         'error_feedback=("error_feedback", True),\n'
         '          min_size=("min_size", min_size)),',
-        T_WIRING + ("tests/test_one_algorithm.py",),
+        T_WIRING + T_ONE + T_KNOBS,
         "error_feedback not passed to the threshold room"),
     Mutant(
         "preset_core_error_feedback_fixed", "grpo_optax/presets.py",
         "kind=sparsify, fraction=f32(fraction), error_feedback=error_feedback,",
         "kind=sparsify, fraction=f32(fraction), error_feedback=True,",
-        ("tests/test_one_algorithm.py", *T_WIRING),
+        T_ONE + T_KNOBS + T_WIRING,
         "error_feedback not passed to the fused core"),
     Mutant(
         "preset_core_seed_dropped", "grpo_optax/presets.py",
         "min_size=min_size, warmup_steps=warmup_steps, seed=seed,",
         "min_size=min_size, warmup_steps=warmup_steps, seed=0,",
-        ("tests/test_one_algorithm.py", *T_WIRING),
+        T_ONE + T_KNOBS + T_WIRING,
         "seed not passed to the fused core's top-k"),
     Mutant(
         "preset_l2_lost_without_max_norm", "grpo_optax/presets.py",
         "clip_on = max_norm is not None or l2 is not None",
         "clip_on = max_norm is not None",
-        ("tests/test_one_algorithm.py", *T_WIRING),
+        T_ONE + T_KNOBS + T_WIRING,
         "l2 dropped from the chain when max_norm=None"),
     Mutant(
         "preset_core_l2_lost_without_max_norm", "grpo_optax/presets.py",
         "  clip = None\n  if max_norm is not None or l2 is not None:",
         "  clip = None\n  if max_norm is not None:",
-        ("tests/test_one_algorithm.py", *T_WIRING),
+        T_ONE + T_KNOBS + T_WIRING,
         "l2 dropped from the fused core when max_norm=None"),
 ]
 
