@@ -158,7 +158,11 @@ def test_sampled_topk_zeros_carry_nothing():
   out, state = jax.jit(tx.update)(g, tx.init(g))
   np.testing.assert_array_equal(out["w"], x)
   np.testing.assert_array_equal(state.residual["w"], np.zeros(2000))
-  np.testing.assert_allclose(state.kept_fraction, 0.4, rtol=1e-6)
+  # With error feedback the state keeps no estimate: metrics() reads the
+  # kept fraction exactly from the accumulator and its threshold.
+  assert state.kept_fraction is None
+  np.testing.assert_allclose(grpo_optax.metrics(state)["topk/kept_fraction"],
+                             0.4, rtol=1e-6)
 
 
 def test_sampled_positions_move_every_step():
@@ -200,6 +204,34 @@ def test_min_size_passes_small_leaves_dense():
   tx = grpo_optax.top_k_mask(0.1, min_size=50)
   out, _ = tx.update(g, tx.init(g))
   assert int(jnp.sum(out["small"] != 0)) == 5
+
+
+def test_sampled_topk_warmup_first_step_is_dense():
+  """At t = 0 the warm-up keeps everything, also below the sample's minimum.
+
+  A leaf of 200,000 entries is sampled (about 2,000 of them): keeping
+  "everything above the sample's minimum" would drop the entries below it.
+  """
+  g = {"w": jnp.asarray(np.random.default_rng(0).normal(size=200_000),
+                        jnp.float32)}
+  tx = grpo_optax.top_k_mask(0.1, method="sampled", warmup_steps=3)
+  out, state = jax.jit(tx.update)(g, tx.init(g))
+  np.testing.assert_array_equal(out["w"], g["w"])
+  np.testing.assert_array_equal(state.residual["w"], np.zeros(200_000))
+
+
+def test_ema_threshold_min_size_passes_small_leaves_dense():
+  g = {"big": jnp.arange(1.0, 1001.0), "small": jnp.arange(1.0, 51.0)}
+  tx = grpo_optax.ema_threshold_mask(min_size=100)
+  out, state = tx.update(g, tx.init(g))
+  np.testing.assert_array_equal(out["small"], g["small"])
+  np.testing.assert_array_equal(state.residual["small"], np.zeros(50))
+  # The big leaf keeps |a| >= mean|a| (500.5): entries 501..1000.
+  assert int(jnp.sum(out["big"] != 0)) == 500
+  # A leaf of exactly min_size entries is masked like the others.
+  tx = grpo_optax.ema_threshold_mask(min_size=50)
+  out, _ = tx.update(g, tx.init(g))
+  assert int(jnp.sum(out["small"] != 0)) == 25
 
 
 def test_frequency_weight_rotates_kept_entries():

@@ -442,7 +442,7 @@ MUTANTS: list[Mutant] = [
         "    thr, tau = threshold_leaf_thresholds(",
         "dense = [False for g in leaves]\n"
         "    thr, tau = threshold_leaf_thresholds(",
-        sp("test_min_size_passes_small_leaves_dense") + T_ONE + T_KNOBS,
+        sp("test_ema_threshold_min_size_passes_small_leaves_dense"),
         "ema_threshold_mask masks leaves smaller than min_size"),
     Mutant(
         "keep_mask_keeps_zeros", "grpo_optax/sparsify.py",
@@ -469,7 +469,7 @@ MUTANTS: list[Mutant] = [
         "topk_keep_all_drops_below_minimum", "grpo_optax/sparsify.py",
         "keep_all = jnp.asarray(fraction) >= 1",
         "keep_all = jnp.asarray(fraction) > 1",
-        sp("test_warmup_ramps_from_dense_to_fraction"),
+        sp("test_sampled_topk_warmup_first_step_is_dense"),
         "fraction 1 (warm-up's first step) keeps only entries >= the sample's"
         " minimum"),
     Mutant(
@@ -553,14 +553,17 @@ MUTANTS: list[Mutant] = [
         "moment_dtype_float16_not_widened", "grpo_optax/momentum.py",
         "return jnp.dtype(jnp.float32) if dtype == jnp.float16 else dtype",
         "return dtype",
-        ("tests/test_dropin.py::test_float16_params_keep_float32_moments",),
+        ("tests/test_dropin.py::test_float16_params_keep_float32_moments",
+         "tests/test_momentum.py::"
+         "test_requested_moment_dtypes_are_kept_for_float16_params"),
         "float16 params keep float16 moments (a squared 1e-4 underflows)"),
     Mutant(
         "moment_dtype_request_ignored_for_float16", "grpo_optax/momentum.py",
         "if requested is not None:\n    return jnp.dtype(requested)",
         "if requested is not None and jnp.dtype(param_dtype) != jnp.float16:\n"
         "    return jnp.dtype(requested)",
-        T_MOM + ("tests/test_dropin.py::test_float16_params_keep_float32_moments",),
+        ("tests/test_momentum.py::"
+         "test_requested_moment_dtypes_are_kept_for_float16_params",),
         "nu_dtype / mu_dtype ignored for float16 params"),
     # -- fused.py -------------------------------------------------------------
     Mutant(
