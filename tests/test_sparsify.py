@@ -386,3 +386,23 @@ def test_nan_in_gradient_is_not_hidden():
   g = {"w": jnp.array([1.0, jnp.nan, 3.0, 0.1])}
   out, state = tx.update(g, tx.init(g))
   assert bool(jnp.isnan(out["w"]).any() | jnp.isnan(state.residual["w"]).any())
+
+
+@pytest.mark.parametrize("shape", [(4096,), (200, 256), (64, 48), (3, 40, 16),
+                                   (96, 1000)])
+def test_grid_sample_is_local_to_every_shard(shape):
+  """Split an axis into up to 16 equal shards: sampling each shard with the
+  leaf's strides and offsets gives the leaf's sample (no collective needed)."""
+  strides = grpo_optax._common.sample_strides(shape, 64)
+  assert math.prod(-(-n // s) for n, s in zip(shape, strides)) < math.prod(shape)
+  x = np.arange(math.prod(shape)).reshape(shape)
+  offsets = [s - 1 for s in strides]
+  whole = np.asarray(grpo_optax._common.grid_sample(
+      jnp.asarray(x), strides, [jnp.asarray(o, jnp.int32) for o in offsets]))
+  for d, n in enumerate(shape):
+    shards = math.gcd(n, 16)
+    parts = [np.asarray(grpo_optax._common.grid_sample(
+        jnp.asarray(part), strides,
+        [jnp.asarray(o, jnp.int32) for o in offsets]))
+             for part in np.split(x, shards, axis=d)]
+    np.testing.assert_array_equal(np.concatenate(parts, axis=d), whole)

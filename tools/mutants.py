@@ -482,8 +482,9 @@ MUTANTS: list[Mutant] = [
         "grid_strides_not_shard_aligned", "grpo_optax/_common.py",
         "align = math.gcd(n, _SHARD_ALIGN) if n else 1",
         "align = 1",
-        ("tests/test_sharding.py::"
-         "test_update_has_no_all_gather_and_scalar_sized_collectives",),
+        sp("test_grid_sample_is_local_to_every_shard")
+        + ("tests/test_sharding.py::"
+           "test_update_has_no_all_gather_and_scalar_sized_collectives",),
         "grid strides that do not divide a shard: the sample crosses shard"
         " boundaries"),
     Mutant(
