@@ -1,26 +1,31 @@
-"""Traffic of the data-parallel exchanges (mechanism 10), from compiled HLO.
+"""Traffic and quality of the data-parallel exchanges (mechanism 10).
 
-Run ``python -m benchmarks.communication [--quick] [--out DIR]`` (it forces 8
-CPU devices unless ``XLA_FLAGS`` already sets a device count). Writes
-``DIR/communication.json``, ``DIR/communication.md`` and
-``DIR/communication_resnet.png``, and prints the tables.
+Run ``python -m benchmarks.communication [--quick] [--out DIR] [--runs DIR]``
+(it forces 8 CPU devices unless ``XLA_FLAGS`` already sets a device count).
+Writes ``DIR/communication.json`` and ``DIR/communication.md`` and prints the
+tables.
 
 1. Bytes per step. ``grpo_optax.training.data_parallel_step`` on the ResNet
-   example's parameters (ResNet-20 on 8x8 digits, 0.27M parameters in 62
-   leaves), lowered and compiled for a mesh of W = 8 devices and for a 2x4
-   mesh (dense within the 4 devices of a "node", sparse across the 2 nodes),
-   for ``dense``, ``all_gather`` and ``shared_support`` at f in {1, 0.3, 0.1,
-   0.01}. Per program: the result bytes of each collective kind
-   (:func:`~grpo_optax.training.collective_bytes`), the bytes a device sends
-   under ring algorithms (:func:`~grpo_optax.training.ring_traffic`, using
-   each op's group size), the same traffic modelled from the parameter
-   counts alone, and the ratio to the dense step beside the law
-   ``all_gather / dense = W f`` (``f + 1/chunk`` for the shared support).
+   example's parameters (ResNet-20 on 8x8 digits, 0.27M parameters) and on
+   the BERT example's (the default 2-layer encoder), lowered and compiled for
+   a mesh of W = 8 devices and for a 2x4 mesh (dense within the 4 devices of
+   a "node", the exchange across the 2 nodes), for every exchange, payload
+   format and density of :data:`GRID`. Per program: the collectives' result
+   bytes (:func:`~grpo_optax.training.collective_bytes`), the bytes a device
+   sends under ring algorithms (:func:`~grpo_optax.training.ring_traffic`,
+   each op with its group size), the same modelled from the payload layout
+   alone (:func:`modelled_traffic`), and the ratio to the dense fp32 step.
 
-2. Convergence at equal steps. ``python -m examples.resnet_cifar10
-   --data-parallel --exchange E --exchange-fraction f`` (in-process, same
-   seed, default steps and optimizer) for each exchange: held-out accuracy
-   and wall time.
+2. Step compute time (ResNet, W = 8, the example's batch of 64) of each
+   exchange in :data:`TIMED`, the configurations interleaved in one process,
+   and from it and the bytes the link bandwidth below which each exchange
+   beats the dense step (:func:`crossover`).
+
+3. Held-out quality at equal steps: the examples run with
+   ``--data-parallel`` and each exchange of :data:`CONFIGS` (the examples'
+   defaults otherwise; ResNet 3 seeds), by :func:`run_queue`, which saves a
+   JSON file after every run (``python -m benchmarks.communication --queue
+   resnet --seeds 0 1 2 --runs DIR``); the report reads those files.
 """
 
 from __future__ import annotations
@@ -48,11 +53,66 @@ import optax
 from jax.sharding import Mesh
 
 from grpo_optax import training
+from grpo_optax.training import compression
 from grpo_optax.training import distributed
 
-FRACTIONS = (1.0, 0.3, 0.1, 0.01)
-CHUNK = 64
 COMMAND = "python -m benchmarks.communication"
+
+#: Exchanges whose bytes are measured: (label, data_parallel_step keywords).
+GRID = (
+    ("dense", dict(exchange="dense")),
+    # The articles' 30% (claims row 14).
+    ("all_gather fp32/int32 f=0.3", dict(exchange="all_gather",
+                                         fraction=0.3)),
+    ("shared_support norms fp32 f=0.3", dict(exchange="shared_support",
+                                             fraction=0.3)),
+    ("all_gather fp32/int32 f=0.01", dict(exchange="all_gather",
+                                          fraction=0.01)),
+    ("all_gather fp32/int32 f=0.001", dict(exchange="all_gather",
+                                           fraction=0.001)),
+    ("all_gather bf16/compact f=0.001", dict(
+        exchange="all_gather", fraction=0.001, values="bfloat16",
+        indices="compact")),
+    ("all_gather bf16/compact f=0.0005", dict(
+        exchange="all_gather", fraction=0.0005, values="bfloat16",
+        indices="compact")),
+    ("all_gather int8/compact f=0.0005", dict(
+        exchange="all_gather", fraction=0.0005, values="int8",
+        indices="compact")),
+    ("all_gather bf16/compact f=0.1 (bitmap)", dict(
+        exchange="all_gather", fraction=0.1, values="bfloat16",
+        indices="compact")),
+    ("shared_support norms fp32 f=0.01", dict(exchange="shared_support",
+                                              fraction=0.01)),
+    ("shared_support replicated fp32 f=0.01", dict(
+        exchange="shared_support", fraction=0.01, support="replicated")),
+    ("shared_support replicated bf16 f=0.01", dict(
+        exchange="shared_support", fraction=0.01, support="replicated",
+        values="bfloat16")),
+    ("shared_support replicated bf16 f=0.0035", dict(
+        exchange="shared_support", fraction=0.0035, support="replicated",
+        values="bfloat16")),
+    ("shared_support replicated bf16 c=1 f=0.0038", dict(
+        exchange="shared_support", fraction=0.0038, support="replicated",
+        values="bfloat16", chunk_size=1)),
+    ("powersgd r=1", dict(exchange="powersgd", rank=1)),
+    ("powersgd r=4", dict(exchange="powersgd", rank=4)),
+    ("powersgd r=1 bf16", dict(exchange="powersgd", rank=1,
+                               values="bfloat16")),
+)
+#: The subset measured on the 2x4 mesh and on the BERT example.
+SUBSET = ("dense", "all_gather fp32/int32 f=0.001",
+          "all_gather bf16/compact f=0.0005",
+          "shared_support norms fp32 f=0.01",
+          "shared_support replicated bf16 f=0.0035",
+          "shared_support replicated bf16 c=1 f=0.0038", "powersgd r=1")
+#: The exchanges whose step compute time is measured.
+TIMED = ("dense", "all_gather bf16/compact f=0.0005",
+         "shared_support replicated bf16 f=0.0035",
+         "shared_support replicated bf16 c=1 f=0.0038", "powersgd r=1")
+#: Link bandwidths of the crossover table, Gbit/s.
+LINKS = (10, 25, 100)
+CHUNK = 64
 
 
 # --------------------------------------------------------------------------
@@ -84,302 +144,525 @@ def resnet_loss(depth: int = 20):
   return loss_fn, params, batch
 
 
-def modelled_traffic(sizes: list[int], exchange: str, fraction: float,
-                     groups: tuple[int, ...]) -> dict[str, float]:
-  """Ring bytes per device from the parameter counts alone.
+def bert_loss():
+  """``(loss_fn, params, batch)`` of the BERT example's default encoder.
 
-  ``groups`` = (W,) for a flat mesh, or (nodes, per_node) for the 2-D form
-  (a dense all-reduce within each node, then the exchange across nodes).
-  The scalar loss adds one 4-byte all-reduce over all devices.
+  The vocabulary is the example's default tokenizer's (trained on the
+  default corpus); the loss is the MLM cross-entropy at 8 fixed positions
+  (the exchange's collectives depend only on the parameters' shapes).
   """
-  ring_ar = lambda g, b: distributed.ring_send_bytes("all-reduce", b, g)
-  ring_ag = lambda g, b: distributed.ring_send_bytes("all-gather", b, g)
-  n = sum(sizes)
-  total = math.prod(groups)
-  out = {"intra": 0.0, "inter": 0.0}
-  loss = ring_ar(total, 4)
-  if exchange == "dense":
-    out["inter"] = ring_ar(total, 4 * n)
-    out["total"] = out["inter"] + loss
+  from flax import nnx
+  from examples.bert_mlm import input_pipeline
+  from examples.bert_mlm import models
+
+  data = input_pipeline.load(text_files=None, vocab_size=4096, seq_len=64,
+                             max_train=None, max_eval=None)
+  config = models.BertConfig(vocab_size=data.vocab_size, max_len=64)
+  model = models.BertMLM(config, rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss_fn(p, tokens):
+    m = nnx.merge(graphdef, p, jax.tree.map(jnp.array, rest))
+    positions = jnp.broadcast_to(jnp.arange(8), (tokens.shape[0], 8))
+    logits, _ = m.apply_with_entropy(tokens, deterministic=True,
+                                     positions=positions)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, tokens[:, :8]).mean()
+
+  batch = jax.ShapeDtypeStruct((32, 64), jnp.int32)
+  return loss_fn, params, batch
+
+
+def payload_bytes(shapes: list[tuple[int, ...]], kw: dict[str, Any],
+                  across: int) -> list[tuple[str, float]]:
+  """The exchange's collectives ``(kind, result bytes)`` from the layout.
+
+  ``across`` = replicas of the exchange. all_gather: ``across`` blocks of
+  the packed payload; shared_support: ``K`` rows of ``chunk`` values (plus
+  ``M`` chunk norms for ``"norms"``); PowerSGD: the ``P``'s with the 1-D
+  leaves, then the ``Q``'s; dense: every entry in float32.
+  """
+  sizes = [math.prod(s) for s in shapes]
+  ex, f = kw["exchange"], kw.get("fraction", 0.3)
+  values = kw.get("values", "float32")
+  if ex == "dense":
+    return [("all-reduce", 4 * sum(sizes))]
+  if ex == "all_gather":
+    per = sum(compression._Layout(n, f, values, kw.get("indices", "int32"))  # pylint: disable=protected-access
+              .nbytes for n in sizes if n)
+    return [("all-gather", across * per)]
+  def mean(count):   # compression.replica_mean of `count` values.
+    if values == "float32":
+      return [("all-reduce", 4 * count)]
+    padded = 2 * (count + -count % across)
+    return [("all-to-all", padded), ("all-gather", padded)]
+  if ex == "shared_support":
+    chunk = kw.get("chunk_size", CHUNK)
+    rows = sum(compression.chunk_rows(sizes, chunk))
+    out = mean(chunk * compression.num_kept(rows, f))
+    if kw.get("support", "norms") == "norms":
+      out.append(("all-reduce", 4 * rows))
     return out
-  across = groups[0]
+  p = q = 0
+  for s in shapes:
+    dims = compression.powersgd_shape(s, kw.get("rank", 1))
+    if dims is None:
+      p += math.prod(s)
+    else:
+      p, q = p + dims[0] * dims[2], q + dims[1] * dims[2]
+  return mean(p) + mean(q)
+
+
+def modelled_traffic(shapes, kw, groups: tuple[int, ...]) -> float:
+  """Ring bytes per device from the layout alone (+ the 4-byte loss).
+
+  ``groups`` = (W,) for a flat mesh, or (nodes, per_node): a dense fp32
+  all-reduce within each node, then the exchange across nodes.
+  """
+  ring = distributed.ring_send_bytes
+  total = ring("all-reduce", 4, math.prod(groups))
+  if kw["exchange"] == "dense":
+    return total + ring("all-reduce", 4 * sum(math.prod(s) for s in shapes),
+                        math.prod(groups))
   if len(groups) == 2:
-    out["intra"] = ring_ar(groups[1], 4 * n)
-  if exchange == "all_gather":
-    k = sum(distributed.num_kept(s, fraction) for s in sizes)
-    out["inter"] = ring_ag(across, across * k * (4 + 4))
-  else:
-    chunks = [distributed.num_chunks(s, CHUNK) for s in sizes]
-    kept = sum(distributed.num_kept(m, fraction) *
-               distributed.chunk_width(s, CHUNK) for m, s in zip(chunks, sizes))
-    out["inter"] = ring_ar(across, 4 * sum(chunks)) + ring_ar(across,
-                                                              4 * kept)
-  out["total"] = out["intra"] + out["inter"] + loss
-  return out
+    total += ring("all-reduce", 4 * sum(math.prod(s) for s in shapes),
+                  groups[1])
+  return total + sum(ring(kind, b, groups[0])
+                     for kind, b in payload_bytes(shapes, kw, groups[0]))
 
 
-def measure_bytes(fractions=FRACTIONS, depth: int = 20) -> dict[str, Any]:
-  """HLO and modelled bytes for every mesh, exchange and fraction."""
-  loss_fn, params, batch = resnet_loss(depth)
-  sizes = [x.size for x in jax.tree.leaves(params)]
+def _meshes():
   devices = np.array(jax.devices()[:8])
-  meshes = {
+  return {
       "W=8": (Mesh(devices, ("data",)), {"axis": "data"}, (8,)),
       "2x4": (Mesh(devices.reshape(2, 4), ("node", "local")),
               {"axis": "node", "dense_axis": "local"}, (2, 4)),
   }
+
+
+def _compile(loss_fn, params, batch, mesh, axes, kw, backend_opt=False):
+  dp = training.data_parallel_step(loss_fn, optax.sgd(0.1), mesh,
+                                   **axes, **{"chunk_size": CHUNK, **kw})
+  state = dp.init(params)
+  # The bytes are read off the program's HLO as JAX emits it (compiling
+  # every configuration takes long on the shared CPU); the timed
+  # configurations are compiled, and their compiled HLO is reported beside.
+  lowered = dp.lower(state, batch)
+  if not backend_opt:   # The HLO before XLA's passes: no compilation.
+    return dp, state, lowered.compiler_ir("hlo").as_hlo_text()
+  return dp, state, lowered.compile()
+
+
+def measure_bytes(model: str, loss_fn, params, batch, labels, meshes
+                  ) -> list[dict[str, Any]]:
+  """HLO and modelled bytes for every mesh and labelled exchange."""
+  shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
+  grid = dict(GRID)
   rows = []
-  for mesh_name, (mesh, axes, groups) in meshes.items():
-    configs = [("dense", None)] + [(e, f) for e in ("all_gather",
-                                                    "shared_support")
-                                   for f in fractions]
-    dense_traffic = None
-    for exchange, fraction in configs:
+  for mesh_name in meshes:
+    mesh, axes, groups = _meshes()[mesh_name]
+    dense_ring = None
+    for label in labels:
+      kw = grid[label]
       tick = time.time()
-      dp = training.data_parallel_step(
-          loss_fn, optax.sgd(0.1), mesh, exchange=exchange,
-          fraction=fraction or 1.0, chunk_size=CHUNK, **axes)
-      state = dp.init(params)
-      # Backend optimisation off: the collectives are fixed by the HLO
-      # passes before code generation, which is what takes long on CPU.
-      compiled = dp.lower(state, batch).compile(
-          compiler_options={"xla_backend_optimization_level": 0})
-      result = training.collective_bytes(compiled)
+      # The dense baseline is the flat step (one all-reduce over all 8).
+      use_mesh, use_axes = (mesh, axes) if kw["exchange"] != "dense" else (
+          _meshes()["W=8"][0], {"axis": "data"})
+      _, _, compiled = _compile(loss_fn, params, batch, use_mesh, use_axes,
+                                kw)
       ops = training.collective_ops(compiled)
-      traffic = training.ring_traffic(compiled)
-      by_group: dict[int, float] = {}
+      traffic = training.ring_traffic(compiled)["total"]
+      by_group: dict[str, float] = {}
       for kind, size, group in ops:
-        by_group[group] = by_group.get(group, 0.0) + (
+        by_group[str(group)] = by_group.get(str(group), 0.0) + (
             distributed.ring_send_bytes(kind, size, group))
-      model = modelled_traffic(sizes, exchange, fraction or 1.0,
-                               groups if exchange != "dense" else (8,))
-      if exchange == "dense":
-        dense_traffic = traffic["total"]
-        dense_gradient = result["all-reduce"] - 4   # Less the loss.
+      model_ring = modelled_traffic(shapes, kw, groups if kw["exchange"]
+                                    != "dense" else (8,))
+      if kw["exchange"] == "dense":
+        dense_ring = traffic
       across = groups[0]
-      law = None if fraction is None else (
-          across * fraction if exchange == "all_gather"
-          else fraction + 1 / CHUNK)
-      across_ratio = None
-      if len(groups) == 2 and exchange != "dense":
-        across_ratio = by_group.get(across, 0.0) / (
-            distributed.ring_send_bytes("all-reduce", dense_gradient, across))
+      dense_across = distributed.ring_send_bytes(
+          "all-reduce", 4 * sum(math.prod(s) for s in shapes), across)
       rows.append({
-          "mesh": mesh_name, "exchange": exchange, "fraction": fraction,
-          "hlo_result_bytes": result,
+          "model": model, "mesh": mesh_name, "label": label, "options": kw,
           "hlo_ops": [list(op) for op in ops],
-          "hlo_ring_bytes": traffic["total"],
-          "hlo_ring_bytes_by_group": {str(g): v for g, v in
-                                      sorted(by_group.items())},
-          "modelled_ring_bytes": model["total"],
-          "ratio_to_dense": traffic["total"] / dense_traffic,
-          "law_ratio": law,
-          "across_ratio": across_ratio,
-          "across_law": law if len(groups) == 2 else None,
+          "hlo_ring_bytes": traffic, "modelled_ring_bytes": model_ring,
+          "hlo_ring_bytes_by_group": by_group,
+          "ratio_to_dense": traffic / dense_ring,
+          "across_ratio": (None if len(groups) == 1 or kw["exchange"] ==
+                           "dense" else by_group.get(str(across), 0.0) /
+                           dense_across),
           "compile_s": time.time() - tick,
       })
       r = rows[-1]
-      print(f"{mesh_name} {exchange:>14} f={fraction}: "
-            f"HLO ring bytes {r['hlo_ring_bytes']:,.0f} "
-            f"(model {r['modelled_ring_bytes']:,.0f}), "
-            f"x{r['ratio_to_dense']:.3f} dense"
-            + (f", law {law:.3f}" if law is not None else ""), flush=True)
-  return {"model": f"ResNet-{depth} (example), 8x8 digits",
-          "num_params": sum(sizes), "num_leaves": len(sizes),
-          "dense_bytes": 4 * sum(sizes),
-          "dense_hlo_gradient_bytes": dense_gradient, "chunk_size": CHUNK,
-          "rows": rows}
+      print(f"{model} {mesh_name} {label}: ring bytes {traffic:,.0f} "
+            f"(model {model_ring:,.0f}), x{r['ratio_to_dense']:.5f} dense"
+            + ("" if r["across_ratio"] is None else
+               f", across nodes x{r['across_ratio']:.5f}"), flush=True)
+  return rows
 
 
 # --------------------------------------------------------------------------
-# 2. Convergence of the ResNet example at equal steps.
-
-RUNS = (("dense", None), ("all_gather", 0.3), ("all_gather", 0.01),
-        ("shared_support", 0.3), ("shared_support", 0.1))
+# 2. Step compute time and the bandwidth crossover.
 
 
-def measure_convergence(runs=RUNS, extra_argv=()) -> list[dict[str, Any]]:
-  from examples.resnet_cifar10 import main as resnet_main
-  from examples.resnet_cifar10 import train as resnet_train
+def measure_step_time(loss_fn, params, labels=TIMED, rounds: int = 3,
+                      steps: int = 10):
+  """Median seconds per compiled step (ResNet, W = 8, batch 64), the
+  configurations interleaved over ``rounds`` rounds of ``steps`` steps, and
+  the ring bytes of each compiled step's HLO."""
+  mesh, axes, _ = _meshes()["W=8"]
+  rng = np.random.default_rng(0)
+  batch = (rng.normal(size=(64, 8, 8, 1)).astype(np.float32),
+           rng.integers(0, 10, size=64).astype(np.int32))
+  grid, progs, compiled_ring = dict(GRID), {}, {}
+  for label in labels:
+    dp = training.data_parallel_step(loss_fn, optax.sgd(0.01), mesh, **axes,
+                                     **{"chunk_size": CHUNK, **grid[label]})
+    state = dp.init(jax.tree.map(np.asarray, params))
+    state, loss = dp.step(state, batch)   # Compiles.
+    loss.block_until_ready()
+    progs[label] = [dp, state]
+    compiled_ring[label] = training.ring_traffic(
+        dp.lower(state, batch).compile())["total"]
+  times: dict[str, list[float]] = {label: [] for label in labels}
+  for _ in range(rounds):
+    for label in labels:
+      dp, state = progs[label]
+      for _ in range(steps):
+        tick = time.perf_counter()
+        state, loss = dp.step(state, batch)
+        loss.block_until_ready()
+        times[label].append(time.perf_counter() - tick)
+      progs[label][1] = state
+  return ({label: float(np.median(t)) for label, t in times.items()},
+          compiled_ring)
 
-  out = []
-  for exchange, fraction in runs:
-    argv = ["--data-parallel", "--exchange", exchange, "--quiet",
-            *extra_argv]
-    if fraction is not None:
-      argv += ["--exchange-fraction", str(fraction)]
-    tick = time.time()
-    summary = resnet_train.train_and_evaluate(resnet_main.parse_args(argv))
-    out.append({
-        "exchange": exchange, "fraction": fraction,
-        "command": "python -m examples.resnet_cifar10 " + " ".join(
-            a for a in argv if a != "--quiet"),
-        "eval_accuracy": summary["eval_accuracy"],
-        "eval_loss": summary["eval_loss"],
-        "eval_history": summary["eval_history"],
-        "train_loss_history": summary["train_loss_history"],
-        "steps": summary["steps"], "optimizer": summary["optimizer"],
-        "replicas": summary["data_parallel"]["replicas"],
-        "wall_time_s": time.time() - tick,
-    })
-    print(f"{exchange} f={fraction}: held-out accuracy "
-          f"{summary['eval_accuracy']:.4f} after {summary['steps']} steps, "
-          f"{out[-1]['wall_time_s']:.1f} s", flush=True)
-  return out
+
+def crossover(dense_s: float, dense_bytes: float, ex_s: float,
+              ex_bytes: float) -> float | None:
+  r"""Link bandwidth (bit/s) below which the exchange's step is faster.
+
+  With a step time of compute + bytes / bandwidth (no overlap),
+  :math:`t_e + 8 B_e / b < t_d + 8 B_d / b \iff b < 8 (B_d - B_e) / (t_e -
+  t_d)` when the exchange computes longer (``t_e > t_d``); ``inf`` when it
+  computes no longer (it wins at every bandwidth), None when it sends no
+  fewer bytes and computes no less.
+  """
+  if ex_bytes >= dense_bytes and ex_s >= dense_s:
+    return None
+  if ex_s <= dense_s:
+    return math.inf
+  return 8 * (dense_bytes - ex_bytes) / (ex_s - dense_s)
+
+
+# --------------------------------------------------------------------------
+# 2. Held-out quality of the examples at equal steps.
+
+#: The exchanges compared on the examples: name -> flags after
+#: ``--data-parallel`` (the examples' defaults otherwise).
+CONFIGS = {
+    "dense": ["--exchange", "dense"],
+    # Replicated support: no collective but the payload; bf16 values; DGC's
+    # sparsity warm-up (stage length set per example below).
+    "shared_replicated_bf16_0.0035": [
+        "--exchange", "shared_support", "--exchange-fraction", "0.0035",
+        "--exchange-support", "replicated", "--exchange-values", "bfloat16"],
+    # The same with chunks of one entry: each entry chosen by the replicated
+    # estimate of its own accumulated residual.
+    "shared_replicated_bf16_c1_0.0038": [
+        "--exchange", "shared_support", "--exchange-fraction", "0.0038",
+        "--exchange-support", "replicated", "--exchange-values", "bfloat16",
+        "--exchange-chunk-size", "1"],
+    "all_gather_compact_bf16_0.0005": [
+        "--exchange", "all_gather", "--exchange-fraction", "0.0005",
+        "--exchange-indices", "compact", "--exchange-values", "bfloat16"],
+    "powersgd_r1": ["--exchange", "powersgd", "--exchange-rank", "1"],
+}
+
+#: Steps per warm-up stage (DGC: one epoch per stage of the four; here
+#: about 3% of each example's default steps per stage).
+WARMUP = {"resnet": 10, "bert": 20}
+
+TASKS = {"resnet": "examples.resnet_cifar10", "bert": "examples.bert_mlm"}
+
+
+def config_argv(task: str, name: str) -> list[str]:
+  argv = list(CONFIGS[name])
+  if "--exchange-fraction" in argv:
+    argv += ["--exchange-warmup-steps", str(WARMUP[task])]
+  return argv
+
+
+def run_example(task: str, name: str, seed: int, extra_argv=()):
+  """One run of an example: held-out metrics, step times, the command."""
+  import importlib
+  main_mod = importlib.import_module(TASKS[task] + ".main")
+  train_mod = importlib.import_module(TASKS[task] + ".train")
+  argv = ["--data-parallel", *config_argv(task, name), "--seed", str(seed),
+          "--quiet", *extra_argv]
+  tick = time.time()
+  summary = train_mod.train_and_evaluate(main_mod.parse_args(argv))
+  return {
+      "task": task, "config": name, "seed": seed,
+      "command": f"python -m {TASKS[task]} " + " ".join(
+          a for a in argv if a != "--quiet"),
+      "eval_loss": summary["eval_loss"],
+      "eval_accuracy": summary.get("eval_accuracy"),
+      "eval_history": summary["eval_history"],
+      "train_loss_history": summary["train_loss_history"],
+      "steps": summary["steps"], "optimizer": summary["optimizer"],
+      "replicas": summary["data_parallel"]["replicas"],
+      "wall_time_s": time.time() - tick,
+  }
+
+
+def run_queue(task: str, names: list[str], seeds: list[int], path: str,
+              extra_argv=()) -> list[dict[str, Any]]:
+  """Runs every (seed, config) not yet in ``path``, saving after each."""
+  done = []
+  if os.path.exists(path):
+    with open(path) as f:
+      done = json.load(f)
+  have = {(r["config"], r["seed"]) for r in done}
+  for seed in seeds:
+    for name in names:
+      if (name, seed) in have:
+        continue
+      try:
+        row = run_example(task, name, seed, extra_argv)
+      except Exception as e:  # pylint: disable=broad-except
+        row = {"task": task, "config": name, "seed": seed, "error": repr(e)}
+      done.append(row)
+      with open(path, "w") as f:
+        json.dump(done, f, indent=1)
+      print(f"{task} {name} seed {seed}: "
+            + (f"held-out loss {row['eval_loss']:.4f}" if "eval_loss" in row
+               else row["error"]), flush=True)
+  return done
 
 
 # --------------------------------------------------------------------------
 # Report.
 
 
-def _fmt_f(f):
-  return "—" if f is None else f"{f:g}"
+def load_runs(runs_dir: str | None) -> dict[str, list[dict[str, Any]]]:
+  """The runs of ``runs_dir/<task>*.json`` (several queues may run at once,
+  each into its own file)."""
+  import glob
+  out = {}
+  for task in TASKS:
+    for path in sorted(glob.glob(os.path.join(runs_dir or "", f"{task}*.json"))
+                       ) if runs_dir else []:
+      with open(path) as f:
+        out.setdefault(task, []).extend(r for r in json.load(f)
+                                        if "error" not in r)
+  return out
 
 
-def _fmt_ratio(x):
-  return "—" if x is None else f"{x:.3f}"
+def summarize_runs(runs: dict[str, list[dict[str, Any]]]) -> list[dict]:
+  """Per task and config: mean (and spread) of the held-out metric."""
+  rows = []
+  for task, items in runs.items():
+    key = "eval_accuracy" if task == "resnet" else "eval_loss"
+    dense = [r[key] for r in items if r["config"] == "dense"]
+    for name in CONFIGS:
+      vals = [r[key] for r in items if r["config"] == name]
+      if not vals:
+        continue
+      row = {"task": task, "config": name, "metric": key,
+             "seeds": sorted(r["seed"] for r in items
+                             if r["config"] == name),
+             "values": vals, "mean": float(np.mean(vals)),
+             "steps": items[0]["steps"],
+             "command": next(r["command"] for r in items
+                             if r["config"] == name),
+             "wall_time_s": float(np.mean([r["wall_time_s"] for r in items
+                                           if r["config"] == name]))}
+      if dense and name != "dense":
+        d = float(np.mean(dense))
+        row["vs_dense"] = (row["mean"] - d if task == "resnet"
+                           else row["mean"] / d - 1)
+      rows.append(row)
+  return rows
+
+
+def _bytes_table(rows, with_across=False) -> list[str]:
+  lines = ["| exchange | HLO collectives (kind, result bytes, group) | ring "
+           "bytes/device (HLO) | ring bytes (model) | x dense fp32 |"
+           + (" across nodes x dense |" if with_across else ""),
+           "|---|---|---|---|---|" + ("---|" if with_across else "")]
+  for r in rows:
+    ops = "; ".join(f"{k} {b:,} ({g})" for k, b, g in r["hlo_ops"])
+    if len(r["hlo_ops"]) > 6:   # The dense step: one all-reduce per leaf.
+      ops = (f"{len(r['hlo_ops'])} all-reduces, "
+             f"{sum(b for _, b, _ in r['hlo_ops']):,} bytes")
+    line = (f"| {r['label']} | {ops} | {r['hlo_ring_bytes']:,.0f} | "
+            f"{r['modelled_ring_bytes']:,.0f} | {r['ratio_to_dense']:.5f} |")
+    if with_across:
+      line += ("—" if r["across_ratio"] is None
+               else f" {r['across_ratio']:.5f}") + " |"
+    lines.append(line)
+  return lines
 
 
 def markdown(data: dict[str, Any]) -> str:
-  b = data["bytes"]
-  flat = [r for r in b["rows"] if r["mesh"] == "W=8"]
-  two_d = [r for r in b["rows"] if r["mesh"] == "2x4"]
+  meta = data["meta"]
   lines = [
-      "# Communication of the data-parallel exchanges",
-      "",
-      f"Generated by `{data['meta']['command']}` on {data['meta']['device']}"
-      f" (jax {data['meta']['jax']}).",
-      "",
-      f"## Bytes per step: {b['model']}, {b['num_params']:,} parameters in "
-      f"{b['num_leaves']} leaves (dense gradient {b['dense_bytes']:,} bytes)",
-      "",
-      "`HLO ... bytes`: the collectives' result sizes in the compiled "
-      "program (`collective_bytes`); `ring bytes`: what one device sends "
-      "under ring algorithms (all-reduce 2(g-1)/g, all-gather (g-1)/g of "
-      "the result, g = the op's group size), from the HLO ops "
-      "(`ring_traffic`) and modelled from the parameter counts; `law`: W f "
-      f"for the all-gather, f + 1/{b['chunk_size']} for the shared support. "
-      "The dense step's all-reduce carries "
-      f"{b['dense_hlo_gradient_bytes']:,} gradient bytes, not "
-      f"{b['dense_bytes']:,}: XLA merges gradients that are the same "
-      "expression (the two BatchNorm biases summed into each projected "
-      "residual), so the model overestimates the dense step slightly.",
-      "",
-      "### W = 8 (one sparse axis)",
-      "",
-      "| exchange | f | HLO all-reduce bytes | HLO all-gather bytes "
-      "| ring bytes (HLO) | ring bytes (model) | x dense | law |",
-      "|---|---|---|---|---|---|---|---|",
-  ]
-  for r in flat:
-    lines.append(
-        f"| {r['exchange']} | {_fmt_f(r['fraction'])} | "
-        f"{r['hlo_result_bytes']['all-reduce']:,} | "
-        f"{r['hlo_result_bytes']['all-gather']:,} | "
-        f"{r['hlo_ring_bytes']:,.0f} | {r['modelled_ring_bytes']:,.0f} | "
-        f"{r['ratio_to_dense']:.3f} | {_fmt_ratio(r['law_ratio'])} |")
-  lines += [
-      "",
-      "### 2x4 mesh: dense within each node of 4, sparse across 2 nodes",
-      "",
-      "Per device: ring bytes within a node (groups of 4) and across nodes "
-      "(groups of 2; the loss' 4-byte all-reduce spans all 8). `across x "
-      "dense` compares the across-node bytes with a dense all-reduce of the "
-      "gradient across the 2 nodes (what a hierarchical dense step sends "
-      "there); its law is W_nodes f = 2 f. The dense row is the flat step "
-      "(one all-reduce over all 8 devices).",
-      "",
-      "| exchange | f | over all 8 | within nodes | across nodes "
-      "| across x dense | law | total ring bytes (HLO) | total (model) "
-      "| total x flat dense |",
-      "|---|---|---|---|---|---|---|---|---|---|",
-  ]
-  for r in two_d:
-    g = r["hlo_ring_bytes_by_group"]
-    lines.append(
-        f"| {r['exchange']} | {_fmt_f(r['fraction'])} | "
-        f"{g.get('8', 0):,.0f} | {g.get('4', 0):,.0f} | "
-        f"{g.get('2', 0):,.0f} | "
-        f"{_fmt_ratio(r.get('across_ratio'))} | "
-        f"{_fmt_ratio(r.get('across_law'))} | {r['hlo_ring_bytes']:,.0f} | "
-        f"{r['modelled_ring_bytes']:,.0f} | {r['ratio_to_dense']:.3f} |")
-  conv = data.get("convergence")
-  if conv:
+      "# Communication of the data-parallel exchanges", "",
+      f"Generated by `{meta['command']}` on {meta['device']} "
+      f"(jax {meta['jax']})" + (f"; quality refreshed by "
+                                f"`{meta['quality_command']}`"
+                                if meta.get("quality_command") else "")
+      + ".", "",
+      "Ring bytes: what one device sends per step under ring algorithms "
+      "(all-reduce 2(g-1)/g of the result, all-gather (g-1)/g, g = the op's "
+      "group), read off the compiled step's HLO (`ring_traffic`) and "
+      "modelled from the payload layout; `x dense fp32`: over the dense "
+      "step's (one fp32 all-reduce of the gradient over all 8 devices, "
+      "plus the 4-byte loss in both).", ""]
+  for model in data["bytes"]:
+    b = data["bytes"][model]
+    lines += [f"## {b['name']}: {b['num_params']:,} parameters in "
+              f"{b['num_leaves']} leaves", ""]
+    for mesh in ("W=8", "2x4"):
+      rows = [r for r in b["rows"] if r["mesh"] == mesh]
+      if not rows:
+        continue
+      lines += [f"### {mesh}" + (": dense within each node of 4, the "
+                "exchange across 2 nodes (across x dense: over a dense fp32 "
+                "all-reduce across the 2 nodes)" if mesh == "2x4" else ""),
+                ""] + _bytes_table(rows, mesh == "2x4") + [""]
+  st = data.get("step_time")
+  if st:
     lines += [
+        "## Step compute time and the bandwidth crossover (ResNet, W = 8)",
         "",
-        f"## Convergence at equal steps: the ResNet example on "
-        f"{conv[0]['replicas']} forced CPU devices",
-        "",
-        "Same seed, data order and optimizer (the example's default, "
-        f"{conv[0]['optimizer']}); wall time on the shared 2-core machine "
-        "includes compilation.",
-        "",
-        "| exchange | f | held-out accuracy | held-out loss | steps | "
-        "wall time (s) | command |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in conv:
+        "Median seconds per compiled step on the forced CPU devices (batch "
+        "64, the configurations interleaved in one process; the devices "
+        "share 2 cores, so the collectives cost no network time here). "
+        "`crossover`: the link bandwidth below which the exchange's step "
+        "(compute + ring bytes / bandwidth, no overlap) beats the dense "
+        "step's (`inf`: it computes no longer, so it wins at any "
+        "bandwidth). The last columns: modelled step time over dense's at "
+        + ", ".join(f"{g} Gbit/s" for g in LINKS) + ".", "",
+        "| exchange | step (s) | x dense compute | ring bytes (as emitted) | "
+        "ring bytes (compiled) | crossover (Gbit/s) | " + " | ".join(
+            f"{g} Gbit/s" for g in LINKS) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(LINKS)]
+    for r in st["rows"]:
+      cross = r["crossover_bps"]
+      cross = ("—" if cross is None else "inf" if math.isinf(cross)
+               else f"{cross / 1e9:.2f}")
       lines.append(
-          f"| {r['exchange']} | {_fmt_f(r['fraction'])} | "
-          f"{r['eval_accuracy']:.4f} | {r['eval_loss']:.4f} | {r['steps']} | "
-          f"{r['wall_time_s']:.1f} | `{r['command']}` |")
+          f"| {r['label']} | {r['step_s']:.4f} | {r['compute_ratio']:.2f} | "
+          f"{r['ring_bytes']:,.0f} | {r['compiled_ring_bytes']:,.0f} | "
+          f"{cross} | " + " | ".join(
+              f"{x:.3f}" for x in r["time_ratio_at_links"]) + " |")
+    lines.append("")
+  quality = data.get("quality")
+  if quality:
+    lines += [
+        "## Held-out quality at equal steps (8 forced CPU devices)", "",
+        "The examples with `--data-parallel` and the exchange's flags, "
+        "their defaults otherwise (optimizer grpo, ResNet 300 steps, BERT "
+        "600). ResNet: held-out accuracy (mean over the seeds; `vs dense` "
+        "in points x 100); BERT: held-out MLM loss (`vs dense` relative).",
+        "", "| example | exchange | seeds | values | mean | vs dense | "
+        "command |", "|---|---|---|---|---|---|---|"]
+    for r in quality:
+      vs = r.get("vs_dense")
+      vs = "—" if vs is None else (f"{100 * vs:+.2f} pts" if r["task"] ==
+                                   "resnet" else f"{100 * vs:+.2f}%")
+      lines.append(
+          f"| {r['task']} | {r['config']} | {r['seeds']} | "
+          + ", ".join(f"{v:.4f}" for v in r["values"])
+          + f" | {r['mean']:.4f} | {vs} | `{r['command']}` |")
   return "\n".join(lines) + "\n"
 
 
-def plot(conv: list[dict[str, Any]], path: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-  for r in conv:
-    label = r["exchange"] + ("" if r["fraction"] is None
-                             else f" f={r['fraction']:g}")
-    steps, losses = zip(*r["train_loss_history"])
-    ax1.plot(steps, losses, label=label, lw=1)
-    ev = np.array(r["eval_history"])
-    ax2.plot(ev[:, 0], ev[:, 2], marker="o", label=label)
-  ax1.set(xlabel="step", ylabel="train loss", yscale="log")
-  ax2.set(xlabel="step", ylabel="held-out accuracy")
-  ax2.legend(fontsize=8)
-  fig.suptitle("ResNet example, data-parallel on 8 devices")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+def measure_traffic(args) -> dict[str, Any]:
+  """Parts 1 and 2: bytes of every exchange, step times, crossovers."""
+  data: dict[str, Any] = {"meta": {
+      "command": COMMAND + (" --quick" if args.quick else "") + (
+          f" --runs {args.runs}" if args.runs else ""),
+      "device": f"{jax.devices()[0].platform} x{jax.device_count()} "
+                f"({platform.machine()}, {os.cpu_count()} cpus)",
+      "jax": jax.__version__}, "bytes": {}}
+  labels = SUBSET if args.quick else [label for label, _ in GRID]
+  models = {"resnet": (f"ResNet-{8 if args.quick else 20} (example), 8x8 "
+                       "digits", resnet_loss(8 if args.quick else 20))}
+  if not args.quick:
+    models["bert"] = ("BERT example (default encoder)", bert_loss())
+  for key, (name, (loss_fn, params, batch)) in models.items():
+    rows = measure_bytes(key, loss_fn, params, batch,
+                         labels if key == "resnet" else SUBSET,
+                         ("W=8", "2x4") if key == "resnet" else ("W=8",))
+    if key == "resnet" and not args.quick:   # 2x4: the subset only.
+      rows = [r for r in rows if r["mesh"] == "W=8" or r["label"] in SUBSET]
+    data["bytes"][key] = {
+        "name": name, "rows": rows,
+        "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
+        "num_leaves": len(jax.tree.leaves(params))}
+  loss_fn, params, _ = models["resnet"][1]
+  times, compiled_ring = measure_step_time(loss_fn, params)
+  ring = {r["label"]: r["hlo_ring_bytes"] for r in data["bytes"]["resnet"][
+      "rows"] if r["mesh"] == "W=8"}
+  st_rows = []
+  for label, t in times.items():
+    dt, db = times["dense"], ring["dense"]
+    st_rows.append({
+        "label": label, "step_s": t, "compute_ratio": t / dt,
+        "ring_bytes": ring[label], "compiled_ring_bytes": compiled_ring[label],
+        "crossover_bps": crossover(dt, db, t, ring[label]),
+        "time_ratio_at_links": [(t + 8 * ring[label] / (g * 1e9)) /
+                                (dt + 8 * db / (g * 1e9)) for g in LINKS]})
+  data["step_time"] = {"rows": st_rows, "links_gbps": list(LINKS)}
+  return data
 
 
 def main(argv=None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default="benchmarks/results")
   parser.add_argument("--quick", action="store_true",
-                      help="ResNet-8 for the bytes; 60 steps of ResNet-8 for "
-                      "convergence (smoke runs).")
-  parser.add_argument("--skip-convergence", action="store_true")
+                      help="ResNet-8, the subset, no BERT (smoke run).")
+  parser.add_argument("--runs", default=None,
+                      help="Directory of the run_queue JSON files "
+                      "(resnet.json, bert.json) to report.")
+  parser.add_argument("--queue", choices=tuple(TASKS), default=None,
+                      help="Run the example runs of this task into --runs "
+                      "instead of the report.")
+  parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+  parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+  parser.add_argument("--reuse", action="store_true",
+                      help="Keep the bytes and step times of --out's "
+                      "communication.json; refresh the quality from --runs.")
   args = parser.parse_args(argv)
   if jax.device_count() < 8:
     raise SystemExit(f"needs 8 devices, found {jax.device_count()}; set "
                      "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+  if args.queue:
+    os.makedirs(args.runs, exist_ok=True)
+    return run_queue(args.queue, args.configs, args.seeds,
+                     os.path.join(args.runs, f"{args.queue}.json"))
   tick = time.time()
-  data: dict[str, Any] = {"meta": {
-      "command": COMMAND + (" --quick" if args.quick else ""),
-      "device": f"{jax.devices()[0].platform} x{jax.device_count()} "
-                f"({platform.machine()}, {os.cpu_count()} cpus)",
-      "jax": jax.__version__}}
-  data["bytes"] = measure_bytes(depth=8 if args.quick else 20)
-  if not args.skip_convergence:
-    extra = (["--depth", "8", "--steps", "60", "--eval-every", "20"]
-             if args.quick else [])
-    data["convergence"] = measure_convergence(extra_argv=extra)
+  path = os.path.join(args.out, "communication.json")
+  if args.reuse and os.path.exists(path):   # Refresh the quality only.
+    with open(path) as f:
+      data = json.load(f)
+    data["meta"]["quality_command"] = (f"{COMMAND} --reuse --out {args.out}"
+                                       f" --runs {args.runs}")
+  else:
+    data = measure_traffic(args)
+  data["quality"] = summarize_runs(load_runs(args.runs))
+  data["runs"] = load_runs(args.runs)
   data["meta"]["wall_time_s"] = time.time() - tick
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "communication.json"), "w") as f:
-    json.dump(data, f, indent=1)
+    json.dump(data, f, indent=1, default=lambda x: None)
   text = markdown(data)
   with open(os.path.join(args.out, "communication.md"), "w") as f:
     f.write(text)
-  if data.get("convergence"):
-    plot(data["convergence"], os.path.join(args.out,
-                                           "communication_resnet.png"))
   print(text)
   return data
 

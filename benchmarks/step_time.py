@@ -83,10 +83,13 @@ def optimizers(lr: float = 1e-3) -> dict[str, Callable[[], optax.GradientTransfo
                                                   optax.sgd(lr)),
       "freeze_below": lambda: optax.chain(g.freeze_below(), optax.sgd(lr)),
       # The preset with the library's defaults in each sparsify mode: the
-      # one-pass form and the chain of separate stages (fused=False).
+      # fused core and the chain of the same rooms (fused=False).
       "grpo_dense": lambda: g.grpo(lr, sparsify=None),
       "grpo_threshold": lambda: g.grpo(lr, sparsify="threshold"),
       "grpo_topk": lambda: g.grpo(lr, sparsify="topk"),
+      # Adam's moments in block-wise 8 bits (grpo_optax.quantization).
+      "grpo_topk_int8": lambda: g.grpo(lr, sparsify="topk", mu_format="int8",
+                                       nu_format="uint8"),
       "grpo_dense_chain": lambda: g.grpo(lr, sparsify=None, fused=False),
       "grpo_threshold_chain": lambda: g.grpo(lr, sparsify="threshold",
                                              fused=False),
@@ -101,7 +104,7 @@ def optimizers(lr: float = 1e-3) -> dict[str, Callable[[], optax.GradientTransfo
 
 
 QUICK = ("sgd_momentum", "adam", "nadam", "clip_nadam", "grpo_dense",
-         "grpo_threshold", "grpo_topk", "grpo_dense_chain", "grpo_threshold_chain",
+         "grpo_threshold", "grpo_topk", "grpo_topk_int8", "grpo_dense_chain", "grpo_threshold_chain",
          "grpo_topk_chain", "grpo_article_dense", "grpo_article_topk")
 COMPILE = ("adam", "clip_nadam", "grpo_dense", "grpo_threshold",
            "grpo_topk")

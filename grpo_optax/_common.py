@@ -237,13 +237,22 @@ def unstack(vector: jax.Array) -> list[jax.Array]:
   return list(jax.lax.optimization_barrier(parts)) if parts else []
 
 
-def stack(values: list[Any], dtype: Any = jnp.float32) -> jax.Array:
+def stack(values: list[Any], dtype: Any = jnp.float32,
+          like: Any = None) -> jax.Array:
   """Per-leaf scalars into one vector, behind an optimization barrier (XLA
-  would otherwise fuse every leaf's reduction into one stacking kernel)."""
+  would otherwise fuse every leaf's reduction into one stacking kernel).
+
+  ``like`` (the vector this one replaces) makes the result vary over the
+  same ``shard_map`` axes as the state it replaces, even where some entries
+  are constants (a ``lax.scan`` carry must keep its type).
+  """
   if not values:
-    return jnp.zeros((0,), dtype)
+    return jnp.zeros((0,), dtype) if like is None else like
   values = [jnp.asarray(v, dtype) for v in values]
-  return jnp.stack(jax.lax.optimization_barrier(values))
+  out = jnp.stack(jax.lax.optimization_barrier(values))
+  if like is not None:
+    out = out + (0 * like).astype(dtype)
+  return out
 
 
 def strided_sample(x: jax.Array, max_n: int = SAMPLE_PER_LEAF) -> jax.Array:

@@ -93,6 +93,7 @@ class _Adam(NamedTuple):
 def _init_mask(params, cfg: _Mask):
   acc = optax.tree.zeros_like(params) if cfg.error_feedback else None
   zeros = _common.leaf_scalars(params)
+  tau = _common.leaf_scalars(params)  # its own buffer (state is donated)
   one = None if cfg.error_feedback else jnp.ones([], jnp.float32)
   if cfg.kind == "topk":
     return sparsify.TopKMaskState(
@@ -100,7 +101,7 @@ def _init_mask(params, cfg: _Mask):
         frequency=None, kept_fraction=one)
   return sparsify.EmaThresholdMaskState(
       count=jnp.zeros([], jnp.int32), accumulator=acc, thresholds=zeros,
-      tau=zeros, kept_fraction=one)
+      tau=tau, kept_fraction=one)
 
 
 def _clip_phase(g_leaves, p_leaves, cfg: Optional[_Clip], state):
@@ -144,16 +145,17 @@ def _mask_phase(x_leaves, cfg: Optional[_Mask], state, treedef):
     thr, tau = sparsify.threshold_leaf_thresholds(
         a_leaves, dense, _common.unstack(state.tau), cfg.alpha, t, cfg.every,
         cfg.scale)
-    extra = {"tau": _common.stack(tau)}
+    extra = {"tau": _common.stack(tau, like=state.tau)}
     if not cfg.error_feedback:
       kept = [sparsify.sampled_kept(a, th) for a, th in zip(a_leaves, thr)]
   new_state = type(state)(
       count=optax.safe_increment(t),
       accumulator=(treedef.unflatten(a_leaves) if cfg.error_feedback
                    else None),
-      thresholds=_common.stack(thr),
+      thresholds=_common.stack(thr, like=state.thresholds),
       kept_fraction=(None if kept is None
-                     else sparsify.size_weighted(kept, sizes)),
+                     else sparsify.size_weighted(kept, sizes)
+                     + 0 * state.kept_fraction),
       **extra)
   return a_leaves, thr, new_state
 

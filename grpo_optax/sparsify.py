@@ -557,10 +557,11 @@ def top_k_mask(
     return treedef.unflatten(outs), TopKMaskState(
         count=optax.safe_increment(t),
         accumulator=treedef.unflatten(new_acc) if error_feedback else None,
-        thresholds=_common.stack(thr),
+        thresholds=_common.stack(thr, like=state.thresholds),
         frequency=new_freq,
         kept_fraction=(None if error_feedback and by_threshold
-                       else size_weighted(kept, [g.size for g in leaves])))
+                       else size_weighted(kept, [g.size for g in leaves])
+                       + 0 * state.kept_fraction))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -703,9 +704,10 @@ def ema_threshold_mask(
     return treedef.unflatten(outs), EmaThresholdMaskState(
         count=optax.safe_increment(t),
         accumulator=treedef.unflatten(new_acc) if error_feedback else None,
-        thresholds=_common.stack(thr),
-        tau=_common.stack(tau),
+        thresholds=_common.stack(thr, like=state.thresholds),
+        tau=_common.stack(tau, like=state.tau),
         kept_fraction=(None if error_feedback
-                       else size_weighted(kept, [g.size for g in leaves])))
+                       else size_weighted(kept, [g.size for g in leaves])
+                       + 0 * state.kept_fraction))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

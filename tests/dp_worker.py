@@ -9,6 +9,7 @@ final parameters (process 0) to ``FILE`` (``.npz``).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import numpy as np
@@ -38,13 +39,15 @@ def mlp_loss(params, batch):
   return jnp.mean((h @ params["w2"] - y) ** 2)
 
 
-def train(mesh, exchange: str, fraction: float = 0.3):
-  """Final params (as NumPy) of STEPS steps of Adam with ``exchange``."""
+def train(mesh, exchange: str, fraction: float = 0.3, **options):
+  """Final params (as NumPy) of STEPS steps of Adam with ``exchange`` and
+  the exchange's ``options`` (``sparse_pmean`` keywords)."""
   import jax  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from grpo_optax import training  # pylint: disable=g-import-not-at-top
   dp = training.data_parallel_step(mlp_loss, optax.adam(1e-2), mesh,
-                                   exchange=exchange, fraction=fraction)
+                                   exchange=exchange, fraction=fraction,
+                                   **options)
   state = dp.init(init_params())
   for batch in batches():
     state, _ = dp.step(state, batch)
@@ -56,6 +59,9 @@ def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", required=True)
   parser.add_argument("--exchange", default="all_gather")
+  parser.add_argument("--fraction", type=float, default=0.3)
+  parser.add_argument("--options", default="{}",
+                      help="The exchange's options as JSON.")
   parser.add_argument("--coordinator-address", required=True)
   parser.add_argument("--num-processes", type=int, required=True)
   parser.add_argument("--process-id", type=int, required=True)
@@ -67,7 +73,8 @@ def main(argv: list[str]) -> int:
                              num_processes=args.num_processes,
                              process_id=args.process_id)
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  params = train(mesh, args.exchange)
+  params = train(mesh, args.exchange, args.fraction,
+                 **json.loads(args.options))
   if jax.process_index() == 0:
     np.savez(args.out, **params)
   print(f"process {jax.process_index()} of {jax.process_count()}: "

@@ -100,34 +100,40 @@ def test_convergence_study_and_claims_write_results(tmp_path):
 
 def test_claims_traffic_row_reads_communication_json(tmp_path):
   # The traffic row (14) is generated from communication.json.
-  rows = [{"mesh": "W=8", "exchange": e, "fraction": f, "ratio_to_dense": r}
-          for e, f, r in (("dense", None, 1.0), ("all_gather", 0.3, 2.41),
-                          ("all_gather", 0.01, 0.082),
-                          ("shared_support", 0.3, 0.331))]
-  conv = [{"exchange": "dense", "fraction": None, "eval_accuracy": 0.99,
-           "steps": 300},
-          {"exchange": "shared_support", "fraction": 0.3,
-           "eval_accuracy": 0.985, "steps": 300}]
-  (tmp_path / "communication.json").write_text(json.dumps({
-      "meta": {"command": "python -m benchmarks.communication"},
-      "bytes": {"model": "m", "num_params": 10, "rows": rows},
-      "convergence": conv}))
+  best = claims.BEST_EXCHANGE
+  rows = [{"mesh": "W=8", "label": label, "ratio_to_dense": r,
+           "across_ratio": None}
+          for label, r in (("dense", 1.0), ("all_gather fp32/int32 f=0.3",
+                                            2.41),
+                           ("shared_support norms fp32 f=0.3", 0.331),
+                           (best[1], 0.0019))]
+  rows.append({"mesh": "2x4", "label": best[1], "ratio_to_dense": 0.9,
+               "across_ratio": 0.0018})
+  quality = [{"task": "resnet", "config": best[0], "mean": 0.985,
+              "vs_dense": -0.003, "seeds": [0, 1, 2], "steps": 300},
+             {"task": "bert", "config": best[0], "mean": 6.0,
+              "vs_dense": 0.015, "seeds": [0], "steps": 600}]
+  comm = {"meta": {"command": "python -m benchmarks.communication"},
+          "bytes": {"resnet": {"name": "m", "num_params": 10, "rows": rows}},
+          "quality": quality}
+  (tmp_path / "communication.json").write_text(json.dumps(comm))
   text = claims.main(["--results", str(tmp_path)])
   row = [line for line in text.splitlines() if "all-reduce traffic" in line][0]
   assert "x2.41 (141.0% more" in row and "x0.331 (66.9% less)" in row
-  assert "dense 99.00%, shared support 30% 98.50%" in row
+  assert "x0.0019 (1/526), across the nodes of a 2x4 mesh x0.0018" in row
+  assert "98.50% (-0.30 points vs dense, mean of 3 seeds" in row
+  assert "loss 6.000 (+1.5% vs dense, 600 steps)" in row
   assert row.rstrip().endswith("holds with a shared index set; does not hold "
                                "for the per-replica top-30% all-gather at W "
                                "= 8 (it saves traffic only while W f < 1, "
                                "i.e. W = 2 at 30%) |")
   # A shared support that saves less than 65% does not hold.
-  rows[-1]["ratio_to_dense"] = 0.5
-  (tmp_path / "communication.json").write_text(json.dumps({
-      "meta": {"command": "c"}, "bytes": {"model": "m", "num_params": 10,
-                                          "rows": rows}}))
+  rows[2]["ratio_to_dense"] = 0.5
+  comm["quality"] = []
+  (tmp_path / "communication.json").write_text(json.dumps(comm))
   row = [line for line in claims.main(["--results", str(tmp_path)])
          .splitlines() if "all-reduce traffic" in line][0]
-  assert "| does not hold;" in row
+  assert "| does not hold;" in row and "With it" not in row
 
 
 class _FakeStudy:

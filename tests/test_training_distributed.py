@@ -4,6 +4,7 @@ Eight forced CPU devices (conftest); the multi-process test starts two local
 processes of two devices each (gloo over localhost).
 """
 
+import json
 import math
 import os
 import subprocess
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import grpo_optax
 from grpo_optax import training
+from grpo_optax.training import compression
 from grpo_optax.training import distributed
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -166,9 +168,9 @@ def test_sparse_program_has_no_dense_all_reduce(exchange):
     k = sum(distributed.num_kept(n, 0.1) for n in _sizes())
     assert got["all-gather"] == W * k * (4 + 4)  # fp32 values, int32 indices.
   else:
-    chunks = [distributed.num_chunks(n, 16) for n in _sizes()]
-    kept = sum(distributed.num_kept(m, 0.1) * distributed.chunk_width(n, 16)
-               for m, n in zip(chunks, _sizes()))
+    # Rows of 16 entries over all leaves; the top 10% of them are sent.
+    chunks = compression.chunk_rows(_sizes(), 16)
+    kept = compression.num_kept(sum(chunks), 0.1) * 16
     # Chunk norms, the kept values (one psum each) and the scalar loss (XLA
     # may combine the last two).
     reduces = [size for kind, size, _ in ops if kind == "all-reduce"]
@@ -366,6 +368,7 @@ def test_bad_mesh_tx_batch_and_residual():
     training.sparse_pmean({"a": jnp.ones(3)}, {"b": jnp.ones(3)}, "data")
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_single_process_params(tmp_path):
   out = str(tmp_path / "params.npz")
   cmd = [sys.executable, "-m", "examples.launch_multiprocess",
@@ -381,6 +384,33 @@ def test_two_processes_give_the_single_process_params(tmp_path):
   got = dict(np.load(out))
   want = dp_worker.train(_mesh(4), "all_gather")
   assert got.keys() == want.keys()
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0)
+  assert not np.allclose(want["w1"], dp_worker.init_params()["w1"])
+
+
+#: DGC's recipe on the replicated shared support with bf16 values: every
+#: piece of state (velocity, residual, count, support) crosses processes.
+_DGC = {"support": "replicated", "values": "bfloat16", "momentum": 0.9,
+        "clip_norm": 1.0, "warmup_steps": 1, "chunk_size": 16}
+
+
+@pytest.mark.slow
+def test_two_processes_with_dgc_give_the_eight_device_params(tmp_path):
+  out = str(tmp_path / "params.npz")
+  cmd = [sys.executable, "-m", "examples.launch_multiprocess",
+         "--num-processes", "2", "--devices-per-process", "4",
+         "--timeout", "150", "--", sys.executable,
+         os.path.join(_ROOT, "tests", "dp_worker.py"), "--out", out,
+         "--exchange", "shared_support", "--fraction", "0.05",
+         "--options", json.dumps(_DGC)]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  done = subprocess.run(cmd, cwd=_ROOT, env=env, capture_output=True,
+                        text=True, timeout=180)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert "[1] process 1 of 2: 8 devices, done" in done.stdout
+  got = dict(np.load(out))
+  want = dp_worker.train(_mesh(8), "shared_support", 0.05, **_DGC)
   for k in want:
     np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0)
   assert not np.allclose(want["w1"], dp_worker.init_params()["w1"])

@@ -27,6 +27,8 @@ from grpo_optax.training.distributed import data_parallel_step
 from grpo_optax.training.distributed import DataParallelState
 from grpo_optax.training.distributed import DataParallelStep
 from grpo_optax.training.distributed import EXCHANGES
+from grpo_optax.training.exchange import ExchangeState
+from grpo_optax.training.exchange import init_exchange
 from grpo_optax.training.distributed import ring_traffic
 from grpo_optax.training.distributed import sparse_pmean
 from grpo_optax.training._nnx import split_model
@@ -57,6 +59,7 @@ __all__ = (
     "DataParallelState",
     "DataParallelStep",
     "EXCHANGES",
+    "ExchangeState",
     "FrozenStep",
     "HierarchicalState",
     "HierarchicalStep",
@@ -74,6 +77,7 @@ __all__ = (
     "exchange_mean",
     "frozen_train_step",
     "hierarchical_step",
+    "init_exchange",
     "int8_levels",
     "layerwise_train_step",
     "local_steps_step",

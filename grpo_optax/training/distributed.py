@@ -7,37 +7,20 @@ same replicated parameters. JAX is the distributed engine: a ``Mesh``,
 :func:`jax.shard_map` and its collectives, and :func:`jax.distributed.initialize`
 to span several processes (CPU: gloo collectives; GPU: NCCL).
 
-Exchanges (``a_i = g_i + r_i`` is replica ``i``'s gradient plus its own
-error-feedback residual, ``W`` replicas, ``f`` the kept fraction):
-
-* ``"dense"``: ``pmean(g_i)``, one all-reduce of every gradient entry.
-* ``"all_gather"``: each replica keeps the ``k = ceil(f n)`` entries of each
-  leaf with the largest ``|a_i|``; the values (fp32) and per-leaf int32
-  indices of all leaves are packed into one buffer each, all-gathered, and
-  scatter-added: ``mean = (1/W) sum_i scatter(idx_i, val_i)``.
-* ``"shared_support"``: one index set common to all replicas, chosen from
-  replicated information: each leaf is cut into chunks of ``chunk_size``
-  entries (a smaller leaf is one chunk), the chunks' squared norms ``sum_i ||a_i[c]||^2`` are all-reduced
-  (``n / chunk_size`` floats), and the ``ceil(f * num_chunks)`` chunks of
-  largest norm are exchanged with one psum of their values.
-
-With error feedback the entries not sent stay in the residual
-(``r_i <- a_i - sent_i``) and are added to the next gradient, so nothing is
-lost: after ``T`` steps, (sum of applied mean gradients) + (mean residual)
-equals the sum of the mean gradients exactly (up to float rounding).
-
-Traffic (ring algorithms, per device; ``D`` = dense gradient bytes):
-
-* all-reduce of ``D`` bytes sends ``2 (W-1)/W D``;
-* all-gather whose result holds ``W`` blocks of ``k`` fp32 values and ``k``
-  int32 indices sends ``(W-1)/W * W k (4+4)`` bytes;
-
-so ``all_gather bytes / dense bytes = W f (value bytes + index bytes) /
-(2 * 4) = W f`` for fp32 + int32. The all-gather saves traffic only while
-``W f < 1``: at the articles' ``f = 0.3`` only for ``W = 2``. The shared
-support sends ``f + 1/chunk_size`` of the dense bytes for any ``W``.
-:func:`collective_bytes` and :func:`ring_traffic` read the bytes off a
-compiled program's HLO (XLA's ``cost_analysis()`` does not report them).
+Exchanges (:func:`sparse_pmean`, in :mod:`grpo_optax.training.exchange`;
+the compressors in :mod:`grpo_optax.training.compression`): ``"dense"`` (one
+all-reduce), ``"all_gather"`` (each replica's top-k, packed bytes, one
+all-gather), ``"shared_support"`` (the same chunks on every replica, one
+all-reduce; chosen from all-reduced norms or from replicated statistics at no
+collective) and ``"powersgd"`` (rank-r, two all-reduces), with bf16/int8
+values, compact indices, error feedback and Deep Gradient Compression's
+momentum correction, masking, local clipping and sparsity warm-up. The
+traffic law of each is in ``docs/communication.md``: under ring algorithms
+an all-reduce of ``D`` bytes sends ``2 (W-1)/W D`` per device and an
+all-gather ``(W-1)/W`` of its result, so the per-replica all-gather grows
+with ``W`` and the shared support does not. :func:`collective_bytes` and
+:func:`ring_traffic` read the bytes off a compiled program's HLO (XLA's
+``cost_analysis()`` does not report them).
 
 The pitfall (docs/design.md): inside ``shard_map``, the parameters are
 replicated (invariant over the data axis) while the loss varies across
@@ -53,6 +36,10 @@ References:
   Communication Bandwidth for Distributed Training. ICLR 2018.
   https://arxiv.org/abs/1712.01887
 
+  Vogels, Karimireddy, Jaggi. PowerSGD: Practical Low-Rank Gradient
+  Compression for Distributed Optimization. NeurIPS 2019.
+  https://arxiv.org/abs/1905.13727
+
   Stich, Cordonnier, Jaggi. Sparsified SGD with Memory. NeurIPS 2018.
   https://arxiv.org/abs/1809.07599
 
@@ -63,9 +50,8 @@ References:
 from __future__ import annotations
 
 import math
-import operator
 import re
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -75,8 +61,12 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-#: The exchanges of :func:`sparse_pmean` and :func:`data_parallel_step`.
-EXCHANGES = ("dense", "all_gather", "shared_support")
+from grpo_optax.training import exchange as exchange_lib
+from grpo_optax.training.compression import num_kept  # noqa: F401  (re-exported)
+from grpo_optax.training.exchange import EXCHANGES  # noqa: F401  (re-exported)
+from grpo_optax.training.exchange import ExchangeState
+from grpo_optax.training.exchange import init_exchange
+from grpo_optax.training.exchange import sparse_pmean
 
 #: Collective kinds reported by :func:`collective_bytes`.
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
@@ -85,48 +75,7 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
 AxisName = Any  # A mesh axis name, or a tuple of them.
 
 
-# -- argument checks ---------------------------------------------------------
-
-
-def _check_exchange(exchange: Any, *, sparse_only: bool = False) -> str:
-  allowed = EXCHANGES[1:] if sparse_only else EXCHANGES
-  if exchange not in allowed:
-    raise ValueError(f"`exchange` must be one of {allowed}, got {exchange!r}.")
-  return exchange
-
-
-def _check_fraction(fraction: Any) -> float:
-  try:
-    f = float(fraction)
-  except (TypeError, ValueError):
-    raise ValueError(
-        f"`fraction` must be a float in (0, 1], got {fraction!r}.") from None
-  if not 0.0 < f <= 1.0:
-    raise ValueError(f"`fraction` must be a float in (0, 1], got {f}.")
-  return f
-
-
-def _check_chunk_size(chunk_size: Any) -> int:
-  if isinstance(chunk_size, bool):
-    raise ValueError(f"`chunk_size` must be an int >= 1, got {chunk_size!r}.")
-  try:
-    c = operator.index(chunk_size)
-  except TypeError:
-    raise ValueError(
-        f"`chunk_size` must be an int >= 1, got {chunk_size!r}.") from None
-  if c < 1:
-    raise ValueError(f"`chunk_size` must be an int >= 1, got {c}.")
-  return c
-
-
-# -- the exchange ------------------------------------------------------------
-
-
-def num_kept(size: int, fraction: float) -> int:
-  """``ceil(fraction * size)`` entries kept by the all-gather (0 if empty)."""
-  if not size:
-    return 0
-  return min(size, max(1, math.ceil(fraction * size - 1e-9)))
+# -- chunk arithmetic (the benchmarks' traffic model) -------------------------
 
 
 def chunk_width(size: int, chunk_size: int) -> int:
@@ -137,172 +86,6 @@ def chunk_width(size: int, chunk_size: int) -> int:
 def num_chunks(size: int, chunk_size: int) -> int:
   """Chunks of :func:`chunk_width` entries covering a leaf of ``size``."""
   return -(-size // chunk_width(size, chunk_size))
-
-
-def _pack_dtype(leaves: Sequence[jax.Array]) -> Any:
-  return jnp.result_type(jnp.float32, *[x.dtype for x in leaves])
-
-
-def _all_gather_mean(accs, axis_name, fraction):
-  """Top-k per leaf and replica, packed, all-gathered, scatter-added."""
-  dtype = _pack_dtype(accs)
-  flats = [a.reshape(-1) for a in accs]
-  ks = [num_kept(x.size, fraction) for x in flats]
-  vals, idxs = [], []
-  for x, k in zip(flats, ks):
-    if k == 0:
-      continue
-    _, idx = jax.lax.top_k(jnp.abs(x), k)
-    idxs.append(idx.astype(jnp.int32))
-    vals.append(x[idx].astype(dtype))
-  if not vals:
-    return [jnp.zeros(a.shape, a.dtype) for a in accs], list(accs)
-  # One buffer of values and one of indices: two collectives for the model.
-  all_vals = jax.lax.all_gather(jnp.concatenate(vals), axis_name,
-                                to="invarying")   # (W, sum k)
-  all_idxs = jax.lax.all_gather(jnp.concatenate(idxs), axis_name,
-                                to="invarying")
-  replicas = all_vals.shape[0]
-  means, residuals, offset, j = [], [], 0, 0
-  for a, x, k in zip(accs, flats, ks):
-    if k == 0:   # An empty leaf.
-      means.append(jnp.zeros(a.shape, a.dtype))
-      residuals.append(a)
-      continue
-    v = all_vals[:, offset:offset + k].reshape(-1)
-    i = all_idxs[:, offset:offset + k].reshape(-1)
-    total = jnp.zeros(x.shape, dtype).at[i].add(v)
-    means.append((total / replicas).astype(a.dtype).reshape(a.shape))
-    residuals.append(x.at[idxs[j]].set(0).reshape(a.shape))
-    offset += k
-    j += 1
-  return means, residuals
-
-
-def _shared_support_mean(accs, axis_name, fraction, chunk_size):
-  """Chunks chosen from all-reduced chunk norms, exchanged by one psum."""
-  dtype = _pack_dtype(accs)
-  chunked, scores = [], []
-  for a in accs:
-    n = a.size
-    if n == 0:
-      chunked.append(None)
-      continue
-    m, width = num_chunks(n, chunk_size), chunk_width(n, chunk_size)
-    c = a.reshape(-1)
-    if m * width != n:
-      c = jnp.pad(c, (0, m * width - n))
-    c = c.reshape(m, width)
-    chunked.append(c)
-    scores.append(jnp.sum(jnp.square(c.astype(dtype)), axis=1))
-  if not scores:
-    return [jnp.zeros(a.shape, a.dtype) for a in accs], list(accs)
-  # Replicated information: every replica holds the same summed norms, so
-  # every replica picks the same chunks.
-  scores = jax.lax.psum(jnp.concatenate(scores), axis_name)
-  picks, sent, offset = [], [], 0
-  for c in chunked:
-    if c is None:
-      picks.append(None)
-      continue
-    m = c.shape[0]
-    kc = num_kept(m, fraction)
-    _, idx = jax.lax.top_k(scores[offset:offset + m], kc)
-    offset += m
-    picks.append(idx)
-    sent.append(c[idx].astype(dtype).reshape(-1))
-  summed = jax.lax.pmean(jnp.concatenate(sent), axis_name)   # one all-reduce
-  means, residuals, offset = [], [], 0
-  for a, c, idx in zip(accs, chunked, picks):
-    if c is None:   # An empty leaf.
-      means.append(jnp.zeros(a.shape, a.dtype))
-      residuals.append(a)
-      continue
-    kc, width = idx.shape[0], c.shape[1]
-    block = summed[offset:offset + kc * width].reshape(kc, width)
-    offset += kc * width
-    mean = jnp.zeros(c.shape, dtype).at[idx].set(block)
-    means.append(mean.reshape(-1)[:a.size].astype(a.dtype).reshape(a.shape))
-    residuals.append(c.at[idx].set(0).reshape(-1)[:a.size].reshape(a.shape))
-  return means, residuals
-
-
-def sparse_pmean(grads: Any, residual: Any, axis_name: AxisName, *,
-                 exchange: str = "all_gather", fraction: float = 0.3,
-                 chunk_size: int = 64) -> tuple[Any, Any]:
-  r"""Mean of the replicas' gradients through a sparse exchange.
-
-  Call it inside :func:`jax.shard_map` (or any context where ``axis_name``
-  is bound), with ``grads`` each replica's own gradient (differentiate
-  parameters cast to varying, see the module docstring). With
-  :math:`a_i = g_i + r_i`:
-
-  * ``"all_gather"``: :math:`S_i` = the ``ceil(fraction * n)`` entries of
-    largest :math:`|a_i|` per leaf; out :math:`= \frac1W \sum_i a_i[S_i]`
-    (scattered into zeros), :math:`r_i \leftarrow a_i` with :math:`S_i`
-    zeroed.
-  * ``"shared_support"``: :math:`S` = the ``ceil(fraction * m)`` of the
-    :math:`m` chunks of ``chunk_size`` entries (a smaller leaf is one
-    chunk) with largest
-    :math:`\sum_i \|a_i[c]\|^2` (all-reduced); out :math:`= \frac1W \sum_i
-    a_i[S]`; :math:`r_i \leftarrow a_i` with :math:`S` zeroed.
-  * ``"dense"``: out :math:`= \frac1W \sum_i a_i`, residual zero.
-
-  Values travel in float32 (or the widest float dtype of ``grads``),
-  indices in int32; outputs have each leaf's dtype and are the same on
-  every replica (invariant over ``axis_name``).
-
-  Args:
-    grads: this replica's gradient (a pytree of float arrays).
-    residual: this replica's error-feedback residual (same structure), or
-      None for no error feedback (entries not sent are dropped).
-    axis_name: the mesh axis (or tuple of axes) the replicas span.
-    exchange: ``"all_gather"``, ``"shared_support"`` or ``"dense"``.
-    fraction: kept fraction of each leaf (or of its chunks), in (0, 1].
-    chunk_size: entries per chunk for ``"shared_support"``.
-
-  Returns:
-    ``(mean, new_residual)``; ``new_residual`` is None when ``residual`` is.
-
-  Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> from jax.sharding import PartitionSpec as P
-    >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> def f(g):
-    ...   return sparse_pmean({"w": g}, None, "data", fraction=0.5)[0]["w"]
-    >>> jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P())(
-    ...     jnp.array([3., -1., 0.5, -4.]))
-    Array([ 3.,  0.,  0., -4.], dtype=float32)
-  """
-  exchange = _check_exchange(exchange)
-  fraction = _check_fraction(fraction)
-  chunk_size = _check_chunk_size(chunk_size)
-  leaves, treedef = jax.tree.flatten(grads)
-  if residual is not None:
-    r_leaves, r_def = jax.tree.flatten(residual)
-    if r_def != treedef:
-      raise ValueError("`residual` must have the structure of `grads`; got "
-                       f"{r_def}, grads have {treedef}.")
-    leaves = [g + r.astype(g.dtype) for g, r in zip(leaves, r_leaves)]
-  for x in leaves:
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"`grads` must hold float arrays, got {x.dtype}.")
-    if x.size >= 2**31:
-      raise ValueError(f"a `grads` leaf has {x.size} entries; int32 indices "
-                       "address at most 2**31 - 1: split the leaf.")
-  if exchange == "dense":
-    means = jax.lax.pmean(leaves, axis_name)
-    residuals = [jnp.zeros_like(x) for x in leaves]
-  elif exchange == "all_gather":
-    means, residuals = _all_gather_mean(leaves, axis_name, fraction)
-  else:
-    means, residuals = _shared_support_mean(leaves, axis_name, fraction,
-                                            chunk_size)
-  mean = treedef.unflatten(means)
-  if residual is None:
-    return mean, None
-  return mean, treedef.unflatten(
-      [r.astype(x.dtype) for r, x in zip(residuals, r_leaves)])
 
 
 # -- the step ----------------------------------------------------------------
@@ -318,10 +101,15 @@ class DataParallelState(NamedTuple):
       the parameter's shape with a leading axis of size ``W`` (the replicas
       of ``axis``), sharded along ``axis``. None for the dense exchange or
       without error feedback.
+    exchange: the rest of the exchange's state (an :class:`ExchangeState`
+      with ``residual=None``: the velocity of momentum correction, per
+      replica like ``residual``; the step count, the replicated support,
+      PowerSGD's ``Q``, replicated), or None for the dense exchange.
   """
   params: Any
   opt_state: Any
   residual: Any
+  exchange: Any = None
 
 
 def _to_global(x: Any, sharding: NamedSharding) -> Any:
@@ -369,7 +157,8 @@ class DataParallelStep:
   """
 
   def __init__(self, loss_fn, tx, mesh, *, axis, dense_axis, exchange,
-               fraction, error_feedback, chunk_size, has_aux, donate):
+               fraction, error_feedback, chunk_size, has_aux, donate,
+               **options):
     if not callable(loss_fn):
       raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn)}.")
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
@@ -398,11 +187,12 @@ class DataParallelStep:
                       f"{error_feedback!r}.")
     if not isinstance(has_aux, bool):
       raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
+    # Validates every exchange option (the same checks as sparse_pmean).
+    cfg = exchange_lib._config(exchange, fraction, chunk_size, **options)  # pylint: disable=protected-access
     self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
     self.axis, self.dense_axis, self.data_axes = axis, dense_axis, data_axes
-    self.exchange = _check_exchange(exchange)
-    self.fraction = _check_fraction(fraction)
-    self.chunk_size = _check_chunk_size(chunk_size)
+    self.exchange, self.fraction = cfg.exchange, cfg.fraction
+    self.chunk_size, self.options = cfg.chunk_size, dict(options)
     self.error_feedback = error_feedback and exchange != "dense"
     self.has_aux = has_aux
     self.num_replicas = mesh.shape[axis]
@@ -410,7 +200,9 @@ class DataParallelStep:
     self._replicated = NamedSharding(mesh, P())
     self._per_replica = NamedSharding(mesh, P(axis))
     self._batch_sharding = NamedSharding(mesh, P(data_axes))
-    specs = DataParallelState(P(), P(), P(axis))
+    ex_spec = None if exchange == "dense" else ExchangeState(
+        None, P(axis), P(), P(), P())
+    specs = DataParallelState(P(), P(), P(axis), ex_spec)
     mapped = jax.shard_map(self._local_step, mesh=mesh,
                            in_specs=(specs, P(data_axes)),
                            out_specs=(specs, P()))
@@ -426,14 +218,26 @@ class DataParallelStep:
     params = jax.tree.map(lambda x: _to_global(x, self._replicated), params)
     opt_state = jax.jit(self.tx.init,
                         out_shardings=self._replicated)(params)
-    residual = None
-    if self.error_feedback:
-      w = self.num_replicas
-      residual = jax.jit(
-          lambda p: jax.tree.map(
-              lambda x: jnp.zeros((w,) + x.shape, x.dtype), p),
-          out_shardings=self._per_replica)(params)
-    return DataParallelState(params, opt_state, residual)
+    if self.exchange == "dense":
+      return DataParallelState(params, opt_state, None, None)
+    w = self.num_replicas
+    stack = lambda t: jax.tree.map(
+        lambda x: jnp.broadcast_to(x, (w,) + x.shape), t)
+
+    def make(p):
+      ex = init_exchange(
+          p, exchange=self.exchange, error_feedback=self.error_feedback,
+          momentum=self.options.get("momentum", 0.0),
+          support=self.options.get("support", "norms"),
+          chunk_size=self.chunk_size, rank=self.options.get("rank", 1))
+      return stack(ex.residual), ex._replace(residual=None,
+                                             velocity=stack(ex.velocity))
+
+    shardings = (self._per_replica, ExchangeState(
+        None, self._per_replica, self._replicated, self._replicated,
+        self._replicated))
+    residual, ex = jax.jit(make, out_shardings=shardings)(params)
+    return DataParallelState(params, opt_state, residual, ex)
 
   def shard_batch(self, batch: Any) -> Any:
     """The global batch as arrays split along their leading axis.
@@ -472,23 +276,24 @@ class DataParallelStep:
     params = jax.lax.pcast(state.params, self.data_axes, to="varying")
     value, grads = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)(
         params, batch)
-    residual = state.residual
+    residual, ex = state.residual, state.exchange
     if self.exchange == "dense":
       grads = jax.lax.pmean(grads, self.data_axes)
     else:
       if self.dense_axis is not None:   # Within a node: dense and fast.
         grads = jax.lax.pmean(grads, self.dense_axis)
-      if residual is not None:
-        residual = jax.tree.map(lambda r: r[0], residual)
-      grads, residual = sparse_pmean(
-          grads, residual, self.axis, exchange=self.exchange,
-          fraction=self.fraction, chunk_size=self.chunk_size)
-      if residual is not None:
-        residual = jax.tree.map(lambda r: r[None], residual)
+      local = lambda t: jax.tree.map(lambda r: r[0], t)
+      ex = ex._replace(residual=local(residual), velocity=local(ex.velocity))
+      grads, ex = sparse_pmean(
+          grads, ex, self.axis, exchange=self.exchange,
+          fraction=self.fraction, chunk_size=self.chunk_size, **self.options)
+      stacked = lambda t: jax.tree.map(lambda r: r[None], t)
+      residual = stacked(ex.residual)
+      ex = ex._replace(residual=None, velocity=stacked(ex.velocity))
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
     value = jax.lax.pmean(value, self.data_axes)
-    return DataParallelState(new_params, opt_state, residual), value
+    return DataParallelState(new_params, opt_state, residual, ex), value
 
 
 def data_parallel_step(loss_fn: Callable[[Any, Any], Any],
@@ -498,7 +303,12 @@ def data_parallel_step(loss_fn: Callable[[Any, Any], Any],
                        error_feedback: bool = True,
                        dense_axis: str | None = None, chunk_size: int = 64,
                        has_aux: bool = False,
-                       donate: bool = True) -> DataParallelStep:
+                       donate: bool = True, values: str = "float32",
+                       indices: str = "int32", support: str = "norms",
+                       rank: int = 1, momentum: float = 0.0,
+                       mask_momentum: bool = True,
+                       clip_norm: float | None = None,
+                       warmup_steps: int = 0) -> DataParallelStep:
   r"""A data-parallel train step over ``mesh`` with a dense or sparse exchange.
 
   The global batch is split along its leading axis over the data axes; each
@@ -527,13 +337,21 @@ def data_parallel_step(loss_fn: Callable[[Any, Any], Any],
     mesh: a :class:`jax.sharding.Mesh` whose axes are ``axis`` and, if set,
       ``dense_axis``; may span several processes (``jax.distributed``).
     axis: the mesh axis of the exchange.
-    exchange: ``"dense"`` (pmean), ``"all_gather"`` or ``"shared_support"``.
+    exchange: ``"dense"`` (pmean), ``"all_gather"``, ``"shared_support"``
+      or ``"powersgd"``.
     fraction: kept fraction of each leaf for the sparse exchanges, in (0, 1].
     error_feedback: keep a per-replica residual of what was not sent.
     dense_axis: a second mesh axis averaged densely before the exchange.
     chunk_size: entries per chunk of ``"shared_support"``.
     has_aux: ``loss_fn`` returns ``(loss, aux)``.
     donate: donate the state to the compiled step (in-place update).
+    values, indices, support, rank: the payload and compressor options of
+      :func:`sparse_pmean`.
+    momentum, mask_momentum, clip_norm, warmup_steps: Deep Gradient
+      Compression's momentum correction, momentum factor masking, local
+      clipping (bound ``clip_norm / sqrt(W)``) and sparsity warm-up (steps
+      per stage), see :mod:`grpo_optax.training.exchange`. With momentum
+      correction ``tx`` should carry no momentum (e.g. ``optax.sgd``).
 
   Returns:
     A :class:`DataParallelStep` with ``init``, ``step``, ``lower``.
@@ -558,7 +376,10 @@ def data_parallel_step(loss_fn: Callable[[Any, Any], Any],
                           exchange=exchange, fraction=fraction,
                           error_feedback=error_feedback,
                           chunk_size=chunk_size, has_aux=has_aux,
-                          donate=donate)
+                          donate=donate, values=values, indices=indices,
+                          support=support, rank=rank, momentum=momentum,
+                          mask_momentum=mask_momentum, clip_norm=clip_norm,
+                          warmup_steps=warmup_steps)
 
 
 # -- bytes in a compiled program ---------------------------------------------

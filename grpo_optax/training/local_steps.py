@@ -73,13 +73,25 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from grpo_optax.training import distributed
+from grpo_optax.training import exchange as exchange_lib
 
 AxisName = Any
 
+_LOCAL_EXCHANGES = ("dense", "all_gather", "shared_support")
+
+
 # The argument checks of the exchanges (same messages as sparse_pmean's).
-_check_exchange = distributed._check_exchange  # pylint: disable=protected-access
-_check_fraction = distributed._check_fraction  # pylint: disable=protected-access
-_check_chunk_size = distributed._check_chunk_size  # pylint: disable=protected-access
+def _check_exchange(exchange: Any) -> str:
+  return exchange_lib._check_choice(  # pylint: disable=protected-access
+      "exchange", exchange, _LOCAL_EXCHANGES)
+
+
+_check_fraction = exchange_lib._check_fraction  # pylint: disable=protected-access
+
+
+def _check_chunk_size(chunk_size: Any) -> int:
+  return exchange_lib._check_int(  # pylint: disable=protected-access
+      "chunk_size", chunk_size, 1)
 
 
 def default_outer_optimizer(learning_rate: float = 0.7,
