@@ -695,8 +695,8 @@ MUTANTS: list[Mutant] = [
         T_FUSED, "|x|^2 of a complex x as re(x^2)"),
     Mutant(
         "stack_reverses_the_leaves", "grpo_optax/_common.py",
-        "return jnp.stack(jax.lax.optimization_barrier(values))",
-        "return jnp.stack(jax.lax.optimization_barrier(values[::-1]))",
+        "out = jnp.stack(jax.lax.optimization_barrier(values))",
+        "out = jnp.stack(jax.lax.optimization_barrier(values[::-1]))",
         T_FREEZE + sp("test_ema_threshold_matches_numpy_reference"),
         "per-leaf scalars stacked in reverse leaf order (unstack reads them"
         " in tree order)"),
