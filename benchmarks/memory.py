@@ -61,6 +61,11 @@ FACTORIES: dict[str, Callable[[float], optax.GradientTransformation]] = {
                                         nu_format="bfloat16"),
     "adam_int8": lambda lr: _adam_chain(lr, mu_format="int8",
                                         nu_format="uint8"),
+    # The preset with its defaults (sampled top-k with an fp32 accumulator),
+    # and with Adam's moments in 8 bits.
+    "grpo_fp32": lambda lr: grpo_optax.grpo(lr),
+    "grpo_int8": lambda lr: grpo_optax.grpo(lr, mu_format="int8",
+                                            nu_format="uint8"),
 }
 BASELINE = "adam_fp32"
 

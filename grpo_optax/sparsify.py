@@ -182,12 +182,11 @@ def bisect_thresholds(samples: list[jax.Array], fraction,
   """For each sample, the value above which ``fraction`` of it lies.
 
   24 bisection steps between the sample's min and max, counting entries
-  ``>= mid``: O(m) per step and no sort. All samples share one loop whose
-  carry holds one ``(lo, hi, count at lo)`` triple per sample, and each
-  sample is counted by its own reduction (over all of its axes, so a sharded
-  sample is counted shard by shard plus a scalar all-reduce): the compiled
-  kernels depend on the samples' shapes only, so XLA compiles one per
-  shape, not one per leaf.
+  ``>= mid``: O(m) per step and no sort. All samples share one loop; the
+  samples of one shape are stacked and counted by one reduction per step
+  (over every axis but the stack's, so a sharded sample is counted shard by
+  shard plus an all-reduce of one count per sample): the program grows with
+  the number of distinct sample shapes, not of leaves.
 
   Args:
     samples: float arrays of any shape.
@@ -201,13 +200,22 @@ def bisect_thresholds(samples: list[jax.Array], fraction,
   if not samples:
     return ([], []) if with_kept else []
   samples = [x.astype(jnp.float32) for x in samples]
-  targets = [fraction * x.size for x in samples]
+  # Samples of one shape are bisected together as one stacked array: one
+  # reduction per shape and iteration instead of one per leaf (XLA's compile
+  # time grows with the number of kernels). Same arithmetic per sample.
+  groups: dict[tuple[int, ...], list[int]] = {}
+  for i, x in enumerate(samples):
+    groups.setdefault(x.shape, []).append(i)
+  stacks = [jnp.stack([samples[i] for i in idx]) for idx in groups.values()]
+  axes = [tuple(range(1, x.ndim)) for x in stacks]
+  targets = [fraction * (x.size // x.shape[0]) for x in stacks]
 
   def body(_, bounds):
     out = []
-    for x, target, (lo, hi, c_lo) in zip(samples, targets, bounds):
+    for x, ax, target, (lo, hi, c_lo) in zip(stacks, axes, targets, bounds):
       mid = 0.5 * (lo + hi)
-      count = jnp.sum(x >= mid, dtype=jnp.float32)
+      count = jnp.sum(x >= mid.reshape(mid.shape + (1,) * len(ax)), axis=ax,
+                      dtype=jnp.float32)
       keeps_enough = count >= target
       out.append((jnp.where(keeps_enough, mid, lo),
                   jnp.where(keeps_enough, hi, mid),
@@ -216,16 +224,23 @@ def bisect_thresholds(samples: list[jax.Array], fraction,
 
   bounds = jax.lax.fori_loop(
       0, _BISECTION_STEPS, body,
-      [(jnp.min(x), jnp.max(x), jnp.asarray(x.size, jnp.float32))
-       for x in samples])
+      [(jnp.min(x, axis=ax), jnp.max(x, axis=ax),
+        jnp.full((x.shape[0],), x.size // x.shape[0], jnp.float32))
+       for x, ax in zip(stacks, axes)])
   # Keeping everything (a warm-up's first step) must not drop the entries
   # that lie below the sample's minimum.
   keep_all = jnp.asarray(fraction) >= 1
-  thresholds = [jnp.where(keep_all, 0.0, lo) for lo, _, _ in bounds]
+  thresholds = [None] * len(samples)
+  kept = [None] * len(samples)
+  for idx, x, (lo, _, c) in zip(groups.values(), stacks, bounds):
+    los = _common.unstack(lo)
+    cs = _common.unstack(c / (x.size // x.shape[0]))
+    for j, i in enumerate(idx):
+      thresholds[i] = jnp.where(keep_all, 0.0, los[j])
+      kept[i] = jnp.where(keep_all, 1.0, cs[j])
   if not with_kept:
     return thresholds
-  return thresholds, [jnp.where(keep_all, 1.0, c / x.size)
-                      for (_, _, c), x in zip(bounds, samples)]
+  return thresholds, kept
 
 
 def sampled_thresholds(abs_leaves: list[jax.Array], fraction, seed: Any,
