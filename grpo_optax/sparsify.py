@@ -536,7 +536,9 @@ def top_k_mask(
         thresholds=_scalars(params),
         frequency=(optax.tree.zeros_like(params, dtype=jnp.float32)
                    if use_frequency else None),
-        kept_fraction=None if error_feedback else jnp.ones([], jnp.float32))
+        # Only the threshold form reads it exactly from the accumulator.
+        kept_fraction=(None if error_feedback and by_threshold
+                       else jnp.ones([], jnp.float32)))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args

@@ -68,7 +68,7 @@ GRID = {
         variance_coef=0.2, variance_reduction="global"),
     "dense_importance_output": dict(
         sparsify=None, importance=True, importance_placement="output",
-        max_norm=2.0, adam_weight=0.0),
+        max_norm=2.0, adam_weight=0.0, mu_format="int8", nu_format="uint8"),
     "topk_article": dict(grpo_optax.ARTICLE_DEFAULTS, fraction=0.2),
 }
 
@@ -173,6 +173,8 @@ KNOBS = {
     "filter_decay": ({}, 0.5),
     "mu_dtype": ({}, jnp.bfloat16),
     "nu_dtype": ({}, jnp.bfloat16),
+    "mu_format": ({}, "int8"),
+    "nu_format": ({}, "uint8"),
     "variance_coef": ({}, 0.5),
     "variance_decay": ({"variance_coef": 100.0}, 0.5),
     "variance_reduction": ({"variance_coef": 100.0}, "element"),

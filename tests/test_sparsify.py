@@ -166,7 +166,8 @@ def test_sampled_topk_zeros_carry_nothing():
 
 
 def test_sampled_positions_move_every_step():
-  x = jnp.arange(200 * 256, dtype=jnp.float32).reshape(200, 256)
+  # 256 x 256: shard-aligned strides of 8 on both axes give 1,024 entries.
+  x = jnp.arange(256 * 256, dtype=jnp.float32).reshape(256, 256)
   samples = [grpo_optax.sparsify.random_samples([x], 0, jnp.asarray(t))[0]
              for t in range(4)]
   # A grid of ~1,024 entries, taken at other offsets at every step, and

@@ -350,15 +350,15 @@ MUTANTS: list[Mutant] = [
     # -- sparsify.py ----------------------------------------------------------
     Mutant(
         "topk_sampled_087_fraction", "grpo_optax/sparsify.py",
-        "targets = [fraction * x.size for x in samples]",
-        "targets = [0.87 * fraction * x.size for x in samples]",
+        "targets = [fraction * (x.size // x.shape[0]) for x in stacks]",
+        "targets = [0.87 * fraction * (x.size // x.shape[0]) for x in stacks]",
         sp("test_sampled_topk_keeps_close_to_target"),
         "the sampled top-k asks for 0.87x the fraction"),
     Mutant(
         "topk_sampled_087_fraction_sampled_leaves_only", "grpo_optax/sparsify.py",
-        "targets = [fraction * x.size for x in samples]",
-        "targets = [fraction * x.size * (0.87 if x.size >= 1024 else 1.0)"
-        " for x in samples]",
+        "targets = [fraction * (x.size // x.shape[0]) for x in stacks]",
+        "targets = [fraction * (x.size // x.shape[0])"
+        " * (0.87 if x.size // x.shape[0] >= 1024 else 1.0) for x in stacks]",
         sp("test_sampled_topk_keeps_close_to_target"),
         "0.87x the fraction, only where a leaf is sampled (leaves used whole"
         " keep about k): the statistical bound alone must see it"),
@@ -450,16 +450,14 @@ MUTANTS: list[Mutant] = [
         "exact zeros count as kept (kept-fraction diagnostic)"),
     Mutant(
         "topk_bisection_returns_upper_bound", "grpo_optax/sparsify.py",
-        "thresholds = [jnp.where(keep_all, 0.0, lo) for lo, _, _ in bounds]",
-        "thresholds = [jnp.where(keep_all, 0.0, hi) for _, hi, _ in bounds]",
+        "for idx, x, (lo, _, c) in zip(groups.values(), stacks, bounds):",
+        "for idx, x, (_, lo, c) in zip(groups.values(), stacks, bounds):",
         sp("test_sampled_topk_keeps_close_to_target"),
         "threshold from the bisection's upper end (keeps < k)"),
     Mutant(
         "topk_bisection_kept_over_target", "grpo_optax/sparsify.py",
-        "return thresholds, [jnp.where(keep_all, 1.0, c / x.size)\n"
-        "                      for (_, _, c), x in zip(bounds, samples)]",
-        "return thresholds, [jnp.where(keep_all, 1.0, c / t)\n"
-        "                      for (_, _, c), t in zip(bounds, targets)]",
+        "cs = _common.unstack(c / (x.size // x.shape[0]))",
+        "cs = _common.unstack(c / (fraction * (x.size // x.shape[0])))",
         ("tests/test_fused.py::test_kept_fraction_of_the_sampled_top_k",),
         "kept fraction from the bisection carry divided by the target count,"
         " not the sample size",),
@@ -482,7 +480,8 @@ MUTANTS: list[Mutant] = [
         "align = 1",
         sp("test_grid_sample_is_local_to_every_shard")
         + ("tests/test_sharding.py::"
-           "test_update_has_no_all_gather_and_scalar_sized_collectives",),
+           "test_update_has_no_all_gather_and_scalar_sized_collectives"
+           "[topk-auto]",),
         "grid strides that do not divide a shard: the sample crosses shard"
         " boundaries"),
     Mutant(
