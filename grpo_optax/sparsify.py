@@ -536,7 +536,6 @@ def top_k_mask(
         thresholds=_scalars(params),
         frequency=(optax.tree.zeros_like(params, dtype=jnp.float32)
                    if use_frequency else None),
-        # Only the threshold form reads it exactly from the accumulator.
         kept_fraction=(None if error_feedback and by_threshold
                        else jnp.ones([], jnp.float32)))
 
@@ -576,7 +575,7 @@ def top_k_mask(
         accumulator=treedef.unflatten(new_acc) if error_feedback else None,
         thresholds=_common.stack(thr, like=state.thresholds),
         frequency=new_freq,
-        kept_fraction=(None if error_feedback and by_threshold
+        kept_fraction=(None if state.kept_fraction is None
                        else size_weighted(kept, [g.size for g in leaves])
                        + 0 * state.kept_fraction))
 

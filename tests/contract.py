@@ -108,34 +108,33 @@ CASES: list[Case] = [
          lr=1e-3, optimizer=_then_sgd, steps=4000, param_trees=1),  # residual
     Case("freeze_below", grpo_optax.freeze_below,
          dict(threshold=0.3, warmup_steps=2), lr=2e-3, optimizer=_then_sgd,
-         steps=4000, param_trees=2),  # per-leaf scalars: importance, frozen
-    # The one-pass preset with its defaults: mu, nu, the error-feedback
-    # accumulator and per-leaf thresholds.
+         steps=4000, param_trees=0),  # per-leaf scalars are vectors
+    # The preset with its defaults (the fused core): mu, nu and the
+    # error-feedback accumulator (per-leaf thresholds are one vector).
     Case("grpo_defaults", grpo_optax.grpo, dict(learning_rate=0.02),
-         optimizer=lambda tx, lr: tx, param_trees=4),
-    # With the articles' settings (every mechanism on): + the importance EMA
-    # (+ tau for the threshold mask, + freezing's per-leaf importance and
-    # frozen flags).
+         optimizer=lambda tx, lr: tx, param_trees=3),
+    # With the articles' settings (every mechanism on): + the importance
+    # room's score and Fisher EMA, + the variance room's two EMAs.
     Case("grpo_topk", grpo_optax.grpo,
          dict(learning_rate=0.02, **ARTICLE),
-         optimizer=lambda tx, lr: tx, param_trees=5),
+         optimizer=lambda tx, lr: tx, param_trees=7),
     Case("grpo_threshold", grpo_optax.grpo,
          dict(learning_rate=0.02, sparsify="threshold", every=10, **ARTICLE),
-         optimizer=lambda tx, lr: tx, param_trees=6),
+         optimizer=lambda tx, lr: tx, param_trees=7),
     Case("grpo_dense_freeze", grpo_optax.grpo,
          dict(learning_rate=0.02, sparsify=None, freeze_threshold=0.05,
               freeze_warmup_steps=10, importance_placement="output",
               variance_reduction="global", l2=1e-3, **ARTICLE),
-         optimizer=lambda tx, lr: tx, param_trees=5),
+         optimizer=lambda tx, lr: tx, param_trees=6),
     Case("grpo_topk_output_no_feedback", grpo_optax.grpo,
          dict(learning_rate=0.02, importance_placement="output",
               error_feedback=False, fraction=0.7, variance_normalize=True,
               variance_reduction="element", rms_bias_correction=True,
               **ARTICLE),
-         optimizer=lambda tx, lr: tx, param_trees=4),
-    # The chain (fused=False, or a setting the one-pass form does not cover):
-    # importance 2, residual 1, adaptive 2 (3 with the noise filter),
-    # variance 2, freezing 2.
+         optimizer=lambda tx, lr: tx, param_trees=6),
+    # The chain (fused=False, or a setting the fused core does not cover):
+    # importance 2, accumulator 1, adaptive 2 (3 with the noise filter),
+    # variance 2, freezing 0 (vectors).
     Case("grpo_topk_chain", grpo_optax.grpo,
          dict(learning_rate=0.02, fused=False, **ARTICLE),
          optimizer=lambda tx, lr: tx, param_trees=7),
@@ -146,5 +145,5 @@ CASES: list[Case] = [
     Case("grpo_dense_freeze_filter_chain", grpo_optax.grpo,
          dict(learning_rate=0.02, sparsify=None, freeze_threshold=0.05,
               freeze_warmup_steps=10, filter_decay=0.5, **ARTICLE),
-         optimizer=lambda tx, lr: tx, param_trees=9),
+         optimizer=lambda tx, lr: tx, param_trees=7),
 ]
