@@ -752,7 +752,8 @@ MUTANTS: list[Mutant] = [
         "preset_core_l2_lost_without_max_norm", "grpo_optax/presets.py",
         "  clip = None\n  if max_norm is not None or l2 is not None:",
         "  clip = None\n  if max_norm is not None:",
-        T_WIRING + T_ONE,
+        ("tests/test_fused.py::"
+         "test_coupled_l2_without_clipping_reaches_the_fused_core",),
         "l2 dropped from the fused core when max_norm=None"),
 ]
 
