@@ -1,5 +1,6 @@
 """No function in grpo_optax/ has a body longer than 120 lines of code (the
-signature, the docstring, blank and comment-only lines excluded)."""
+signature, the docstring, blank and comment-only lines excluded).
+"""
 
 from __future__ import annotations
 
@@ -15,9 +16,14 @@ LIMIT = 120
 def _code_lines(source: str) -> set[int]:
   lines = set()
   for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-    if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE,
-                        tokenize.INDENT, tokenize.DEDENT,
-                        tokenize.ENDMARKER):
+    if tok.type not in (
+      tokenize.COMMENT,
+      tokenize.NL,
+      tokenize.NEWLINE,
+      tokenize.INDENT,
+      tokenize.DEDENT,
+      tokenize.ENDMARKER,
+    ):
       lines.update(range(tok.start[0], tok.end[0] + 1))
   return lines
 
@@ -31,12 +37,17 @@ def _long_functions():
         continue
       body = set(range(node.body[0].lineno, node.end_lineno + 1)) & code
       doc = node.body[0] if node.body else None
-      if (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-          and isinstance(doc.value.value, str)):
+      if (
+        isinstance(doc, ast.Expr)
+        and isinstance(doc.value, ast.Constant)
+        and isinstance(doc.value.value, str)
+      ):
         body -= set(range(doc.lineno, doc.end_lineno + 1))
       if len(body) > LIMIT:
-        yield f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name} " \
-              f"({len(body)} lines)"
+        yield (
+          f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name} "
+          f"({len(body)} lines)"
+        )
 
 
 def test_no_function_is_longer_than_120_lines():

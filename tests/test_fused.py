@@ -331,3 +331,23 @@ def test_integer_gradients_are_refused_with_a_clear_error():
     TypeError, match="int32.*floating-point|floating-point.*int32"
   ):
     tx.update(params, tx.init(params), params)
+
+
+def test_coupled_l2_without_clipping_reaches_the_fused_core():
+  """max_norm=None with l2: the fused core adds l2 p (and clips nothing)."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)}
+  g = {"w": jnp.full((8, 8), 0.01)}
+  outs = []
+  for fused in (None, False):
+    tx = grpo_optax.grpo(
+      1e-2, max_norm=None, l2=0.5, sparsify=None, fused=fused
+    )
+    state = tx.init(params)
+    u, state = tx.update(g, state, params)
+    u, state = tx.update(g, state, params)
+    outs.append(np.asarray(u["w"]))
+  assert isinstance(
+    grpo_optax.grpo(max_norm=None, l2=0.5).init(params)[0],
+    grpo_optax.FusedState,
+  )
+  np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-8)

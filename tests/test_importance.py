@@ -162,7 +162,8 @@ def test_diagnostics_follow_the_weights():
 def test_diagnostics_of_large_leaves_are_size_weighted_samples():
   """A leaf over 1,024 entries contributes its strided sample, weighted by n.
 
-  "big" has 4,096 entries (every 4th one sampled), "flat" 600 (all of them,
+  "big" has 4,096 entries (sampled on the grid of every 2nd row and column,
+  1,024 entries: ``_common.sample_strides``), "flat" 600 (all of them,
   all weights 1); the estimates are the size-weighted means of the sample
   means, 4,096 : 600, not 1,024 : 600.
   """
@@ -177,11 +178,12 @@ def test_diagnostics_of_large_leaves_are_size_weighted_samples():
   }
   tx = grpo_optax.scale_by_importance(order=1)
   out, state = tx.update(g, tx.init(params), params)
-  w = {k: np.asarray(out[k], np.float64).ravel() / g[k].ravel() for k in g}
-  r = {k: np.abs(g[k] * params[k]).ravel().astype(np.float64) for k in g}
+  w = {k: np.asarray(out[k], np.float64) / g[k] for k in g}
+  r = {k: np.abs(g[k] * params[k]).astype(np.float64) for k in g}
   r = {k: v / v.mean() for k, v in r.items()}
-  samples_w = {"big": w["big"][::4], "flat": w["flat"]}
-  samples_r = {"big": r["big"][::4], "flat": r["flat"]}
+  assert grpo_optax._common.sample_strides((64, 64), 1024) == (2, 2)
+  samples_w = {"big": w["big"][::2, ::2], "flat": w["flat"]}
+  samples_r = {"big": r["big"][::2, ::2], "flat": r["flat"]}
 
   def mean(x, n):
     return sum(n[k] * x[k].mean() for k in n) / sum(n.values())

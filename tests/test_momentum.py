@@ -137,6 +137,20 @@ def test_mu_dtype():
   assert u["w"].dtype == jnp.float32
 
 
+def test_requested_moment_dtypes_are_kept_for_float16_params():
+  """float16 params default to float32 moments; a requested dtype wins."""
+  params = {"w": jnp.ones(4, jnp.float16)}
+  tx = grpo_optax.scale_by_nesterov_adam_rms(
+    mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16
+  )
+  state = tx.init(params)
+  assert state.mu["w"].dtype == jnp.bfloat16
+  assert state.nu["w"].dtype == jnp.bfloat16
+  state = grpo_optax.scale_by_nesterov_adam_rms().init(params)
+  assert state.mu["w"].dtype == jnp.float32
+  assert state.nu["w"].dtype == jnp.float32
+
+
 @pytest.mark.parametrize(
   "kwargs,name",
   [

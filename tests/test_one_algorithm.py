@@ -105,6 +105,8 @@ GRID = {
     importance_placement="output",
     max_norm=2.0,
     adam_weight=0.0,
+    mu_format="int8",
+    nu_format="uint8",
   ),
   "topk_article": dict(grpo_optax.ARTICLE_DEFAULTS, fraction=0.2),
 }
@@ -240,6 +242,8 @@ KNOBS = {
   "filter_decay": ({}, 0.5),
   "mu_dtype": ({}, jnp.bfloat16),
   "nu_dtype": ({}, jnp.bfloat16),
+  "mu_format": ({}, "int8"),
+  "nu_format": ({}, "uint8"),
   "variance_coef": ({}, 0.5),
   "variance_decay": ({"variance_coef": 100.0}, 0.5),
   "variance_reduction": ({"variance_coef": 100.0}, "element"),

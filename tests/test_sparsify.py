@@ -167,11 +167,17 @@ def test_sampled_topk_zeros_carry_nothing():
   out, state = jax.jit(tx.update)(g, tx.init(g))
   np.testing.assert_array_equal(out["w"], x)
   np.testing.assert_array_equal(state.residual["w"], np.zeros(2000))
-  np.testing.assert_allclose(state.kept_fraction, 0.4, rtol=1e-6)
+  # With error feedback the state keeps no estimate: metrics() reads the
+  # kept fraction exactly from the accumulator and its threshold.
+  assert state.kept_fraction is None
+  np.testing.assert_allclose(
+    grpo_optax.metrics(state)["topk/kept_fraction"], 0.4, rtol=1e-6
+  )
 
 
 def test_sampled_positions_move_every_step():
-  x = jnp.arange(200 * 256, dtype=jnp.float32).reshape(200, 256)
+  # 256 x 256: shard-aligned strides of 8 on both axes give 1,024 entries.
+  x = jnp.arange(256 * 256, dtype=jnp.float32).reshape(256, 256)
   samples = [
     grpo_optax.sparsify.random_samples([x], 0, jnp.asarray(t))[0]
     for t in range(4)
@@ -213,6 +219,35 @@ def test_min_size_passes_small_leaves_dense():
   tx = grpo_optax.top_k_mask(0.1, min_size=50)
   out, _ = tx.update(g, tx.init(g))
   assert int(jnp.sum(out["small"] != 0)) == 5
+
+
+def test_sampled_topk_warmup_first_step_is_dense():
+  """At t = 0 the warm-up keeps everything, also below the sample's minimum.
+
+  A leaf of 200,000 entries is sampled (about 2,000 of them): keeping
+  "everything above the sample's minimum" would drop the entries below it.
+  """
+  g = {
+    "w": jnp.asarray(np.random.default_rng(0).normal(size=200_000), jnp.float32)
+  }
+  tx = grpo_optax.top_k_mask(0.1, method="sampled", warmup_steps=3)
+  out, state = jax.jit(tx.update)(g, tx.init(g))
+  np.testing.assert_array_equal(out["w"], g["w"])
+  np.testing.assert_array_equal(state.residual["w"], np.zeros(200_000))
+
+
+def test_ema_threshold_min_size_passes_small_leaves_dense():
+  g = {"big": jnp.arange(1.0, 1001.0), "small": jnp.arange(1.0, 51.0)}
+  tx = grpo_optax.ema_threshold_mask(min_size=100)
+  out, state = tx.update(g, tx.init(g))
+  np.testing.assert_array_equal(out["small"], g["small"])
+  np.testing.assert_array_equal(state.residual["small"], np.zeros(50))
+  # The big leaf keeps |a| >= mean|a| (500.5): entries 501..1000.
+  assert int(jnp.sum(out["big"] != 0)) == 500
+  # A leaf of exactly min_size entries is masked like the others.
+  tx = grpo_optax.ema_threshold_mask(min_size=50)
+  out, _ = tx.update(g, tx.init(g))
+  assert int(jnp.sum(out["small"] != 0)) == 25
 
 
 def test_frequency_weight_rotates_kept_entries():
@@ -384,3 +419,36 @@ def test_nan_in_gradient_is_not_hidden():
   g = {"w": jnp.array([1.0, jnp.nan, 3.0, 0.1])}
   out, state = tx.update(g, tx.init(g))
   assert bool(jnp.isnan(out["w"]).any() | jnp.isnan(state.residual["w"]).any())
+
+
+@pytest.mark.parametrize(
+  "shape", [(4096,), (200, 256), (64, 48), (3, 40, 16), (96, 1000)]
+)
+def test_grid_sample_is_local_to_every_shard(shape):
+  """Split an axis into up to 16 equal shards: sampling each shard with the
+  leaf's strides and offsets gives the leaf's sample (no collective needed).
+  """
+  strides = grpo_optax._common.sample_strides(shape, 64)
+  assert math.prod(-(-n // s) for n, s in zip(shape, strides)) < math.prod(
+    shape
+  )
+  x = np.arange(math.prod(shape)).reshape(shape)
+  offsets = [s - 1 for s in strides]
+  whole = np.asarray(
+    grpo_optax._common.grid_sample(
+      jnp.asarray(x), strides, [jnp.asarray(o, jnp.int32) for o in offsets]
+    )
+  )
+  for d, n in enumerate(shape):
+    shards = math.gcd(n, 16)
+    parts = [
+      np.asarray(
+        grpo_optax._common.grid_sample(
+          jnp.asarray(part),
+          strides,
+          [jnp.asarray(o, jnp.int32) for o in offsets],
+        )
+      )
+      for part in np.split(x, shards, axis=d)
+    ]
+    np.testing.assert_array_equal(np.concatenate(parts, axis=d), whole)

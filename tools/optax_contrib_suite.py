@@ -52,17 +52,32 @@ contrib = _Contrib()
 def main(argv: list[str]) -> int:
   source = pathlib.Path(optax.__file__).parent / "contrib" / "_common_test.py"
   text = source.read_text()
-  text = re.sub(r"_MAIN_OPTIMIZERS_UNDER_TEST = \[.*?\n\]\n",
-                "_MAIN_OPTIMIZERS_UNDER_TEST = " + ENTRIES, text, count=1,
-                flags=re.S)
+  text = re.sub(
+    r"_MAIN_OPTIMIZERS_UNDER_TEST = \[.*?\n\]\n",
+    "_MAIN_OPTIMIZERS_UNDER_TEST = " + ENTRIES,
+    text,
+    count=1,
+    flags=re.S,
+  )
   # The wrapper tests keep optax's own base optimizers: only ours are new.
   text = text.replace("from optax import contrib\n", SHIM, 1)
   with tempfile.TemporaryDirectory() as tmp:
     path = pathlib.Path(tmp) / "grpo_contrib_common_test.py"
     path.write_text(text)
-    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-p",
-                            "no:cacheprovider", "-k",
-                            "grpo", str(path), *argv])
+    return subprocess.call(
+      [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "grpo",
+        str(path),
+        *argv,
+      ]
+    )
 
 
 if __name__ == "__main__":
