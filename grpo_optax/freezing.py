@@ -75,7 +75,7 @@ def freeze_below(
     >>> params = {"big": jnp.ones(3), "tiny": jnp.full(3, 1e-3)}
     >>> g = {"big": jnp.ones(3), "tiny": jnp.ones(3)}
     >>> out, state = tx.update(g, tx.init(params), params)
-    >>> grpo_optax.frozen_mask(state)
+    >>> grpo_optax.frozen_mask(state, params)
     {'big': Array(False, dtype=bool), 'tiny': Array(True, dtype=bool)}
 
   References:
