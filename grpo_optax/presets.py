@@ -257,66 +257,39 @@ def grpo(
     )
   use_core = not blockers and fused is not False
   clip_on = max_norm is not None or l2 is not None
+  # The fused core's arguments after its clip settings (_core's order).
+  core_args = (
+    sparsify,
+    fraction,
+    error_feedback,
+    min_size,
+    sparsify_warmup_steps,
+    seed,
+    alpha,
+    every,
+    threshold_scale,
+    b1,
+    b2,
+    eps,
+    eps_root,
+    adam_weight,
+    nesterov,
+    rms_bias_correction,
+    mu_dtype,
+    nu_dtype,
+    mu_format,
+    nu_format,
+  )
   stages = []
   if use_core and not (importance and importance_placement == "input"):
-    stages.append(
-      _core(
-        max_norm,
-        l2,
-        sparsify,
-        fraction,
-        error_feedback,
-        min_size,
-        sparsify_warmup_steps,
-        seed,
-        alpha,
-        every,
-        threshold_scale,
-        b1,
-        b2,
-        eps,
-        eps_root,
-        adam_weight,
-        nesterov,
-        rms_bias_correction,
-        mu_dtype,
-        nu_dtype,
-        mu_format,
-        nu_format,
-      )
-    )
+    stages.append(_core(max_norm, l2, *core_args))
   else:
     if clip_on:
       stages.append(rooms["clip"])
     if importance and importance_placement == "input":
       stages.append(rooms["importance"])
     if use_core:
-      stages.append(
-        _core(
-          None,
-          None,
-          sparsify,
-          fraction,
-          error_feedback,
-          min_size,
-          sparsify_warmup_steps,
-          seed,
-          alpha,
-          every,
-          threshold_scale,
-          b1,
-          b2,
-          eps,
-          eps_root,
-          adam_weight,
-          nesterov,
-          rms_bias_correction,
-          mu_dtype,
-          nu_dtype,
-          mu_format,
-          nu_format,
-        )
-      )
+      stages.append(_core(None, None, *core_args))
     else:
       if sparsify is not None:
         stages.append(rooms[sparsify])
