@@ -90,27 +90,32 @@ def _run_once(
     procs.append(p)
     pumps.append(t)
   codes: dict[int, int] = {}
+  first_failure = None  # the exit code of the process that died first
+  killed = False
   while len(codes) < num_processes:
     for i, p in enumerate(procs):
       if i not in codes and p.poll() is not None:
         codes[i] = p.returncode
-    if any(c != 0 for c in codes.values()) or (
-      deadline is not None and time.monotonic() > deadline
-    ):
-      timed_out = not any(c != 0 for c in codes.values())
+        if p.returncode != 0 and first_failure is None:
+          first_failure = p.returncode
+    timed_out = deadline is not None and time.monotonic() > deadline
+    if first_failure is not None or timed_out:
+      # The others are killed: their -9 is our doing, not the cause.
       for i, p in enumerate(procs):
         if i not in codes:
           p.kill()
           p.wait()
-          codes[i] = 124 if timed_out else p.returncode
+          codes[i] = p.returncode
+          killed = True
       break
     time.sleep(0.05)
   for t in pumps:
     t.join(timeout=5)
-  failed = {i: c for i, c in codes.items() if c != 0}
-  if failed:
+  if any(c != 0 for c in codes.values()):
     out.write(f"[launcher] exit codes {dict(sorted(codes.items()))}\n")
-  return max(codes.values(), key=abs)
+  if first_failure is not None:
+    return first_failure
+  return 124 if killed else 0
 
 
 def launch(

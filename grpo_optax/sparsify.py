@@ -707,7 +707,8 @@ def threshold_leaf_thresholds(
   thr = [jnp.zeros((), jnp.float32)] * len(a_leaves)
   tau = list(taus)
   for i, tv in zip(masked, new):
-    tau[i] = tv
+    # A dense leaf keeps its tau (0), also when min_size is traced.
+    tau[i] = tv if dense[i] is False else jnp.where(dense[i], taus[i], tv)
     th = (scale * tv).astype(jnp.float32)
     thr[i] = th if dense[i] is False else jnp.where(dense[i], 0.0, th)
   return thr, tau

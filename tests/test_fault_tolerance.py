@@ -184,3 +184,24 @@ def test_launcher_gives_up_after_max_restarts(tmp_path):
   assert (tmp_path / "out.txt").read_text().count("restart 1 of 1") == 1
   with pytest.raises(ValueError, match="`max_restarts` must be >= 0"):
     launch_multiprocess.launch(["true"], 1, max_restarts=-1)
+
+
+def test_launcher_reports_the_first_failure_not_the_processes_it_killed(
+  tmp_path,
+):
+  # Process 0 fails at once; process 1 would run a minute and is killed
+  # (-9). The exit code is the cause's, 3.
+  from examples import launch_multiprocess  # pylint: disable=g-import-not-at-top
+
+  script = (
+    "import sys, time\n"
+    "pid = int(sys.argv[sys.argv.index('--process-id') + 1])\n"
+    "sys.exit(3) if pid == 0 else time.sleep(60)\n"
+  )
+  with open(tmp_path / "out.txt", "w") as out:
+    code = launch_multiprocess.launch(
+      [sys.executable, "-c", script], 2, timeout=120, out=out
+    )
+  assert code == 3
+  text = (tmp_path / "out.txt").read_text()
+  assert "exit codes {0: 3, 1: -9}" in text, text

@@ -71,9 +71,10 @@ def test_today_is_the_articles_preset():
 
 
 def test_library_defaults_are_the_study_winner():
-  # grpo()'s defaults are the study's choices; only the form (one pass) and
-  # min_size (leaves under 1,024 entries dense) differ, both measured by the
-  # convergence suite.
+  # grpo()'s defaults are the study's choices; only the form (fused=None:
+  # the fused core wherever the settings allow it) and min_size (leaves
+  # under 1,024 entries dense) differ, both measured by the convergence
+  # suite.
   import inspect  # pylint: disable=g-import-not-at-top
 
   defaults = {
@@ -84,7 +85,7 @@ def test_library_defaults_are_the_study_winner():
     if key in ("min_size", "fused"):
       continue
     assert defaults[key] == value, key
-  assert defaults["min_size"] == 1024 and defaults["fused"] is True
+  assert defaults["min_size"] == 1024 and defaults["fused"] is None
   # The articles' settings are exactly what the study switched off.
   article = study.TODAY.grpo_kwargs()
   for key, value in grpo_optax.ARTICLE_DEFAULTS.items():
