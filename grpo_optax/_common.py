@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import math
 from typing import Any
+from typing import cast
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 
 def concrete_value(value: Any) -> float | None:
@@ -148,6 +151,15 @@ def mean32(x: jax.Array) -> jax.Array:
 
 def sum32(x: jax.Array) -> jax.Array:
   return jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))
+
+
+def safe_increment(count: jax.Array) -> jax.Array:
+  """``optax.safe_increment(count)``, typed as the array it returns.
+
+  optax annotates its result ``ArrayLike``; for an array ``count`` it is the
+  ``jax.Array`` of a ``jnp.where``.
+  """
+  return cast(jax.Array, optax.safe_increment(count))
 
 
 def bias_correction(decay: Any, count: jax.Array) -> jax.Array:

@@ -119,9 +119,9 @@ def next_state(
 ) -> ClipWithL2State:
   """The state after a step whose norm before clipping was ``norm``."""
   return ClipWithL2State(
-    count=optax.safe_increment(state.count),
+    count=_common.safe_increment(state.count),
     clipped=jnp.where(
-      norm > max_norm, optax.safe_increment(state.clipped), state.clipped
+      norm > max_norm, _common.safe_increment(state.clipped), state.clipped
     ),
     last_norm=norm.astype(jnp.float32),
   )

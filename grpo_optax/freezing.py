@@ -115,7 +115,7 @@ def freeze_below(
         f"freeze_below: the state was built for {len(imp)} "
         f"leaves but the updates have {len(leaves)}"
       )
-    bc = _common.bias_correction(decay, optax.safe_increment(t))
+    bc = _common.bias_correction(decay, _common.safe_increment(t))
     # mean |g p| on a fixed grid sample of the leaf (local to each shard).
     new_imp = [
       decay * i
@@ -143,7 +143,7 @@ def freeze_below(
       jnp.where(f, jnp.zeros_like(g), g) for g, f in zip(leaves, new_frozen)
     ]
     return treedef.unflatten(outs), FreezeBelowState(
-      count=optax.safe_increment(t),
+      count=_common.safe_increment(t),
       importance=_common.stack(new_imp),
       frozen=_common.stack(new_frozen, bool),
     )

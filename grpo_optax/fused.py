@@ -168,7 +168,7 @@ def _mask_phase(x_leaves, cfg: _Mask | None, state, treedef):
     if not cfg.error_feedback:
       kept = [sparsify.sampled_kept(a, th) for a, th in zip(a_leaves, thr)]
   new_state = type(state)(
-    count=optax.safe_increment(t),
+    count=_common.safe_increment(t),
     accumulator=(treedef.unflatten(a_leaves) if cfg.error_feedback else None),
     thresholds=_common.stack(thr, like=state.thresholds),
     kept_fraction=(
@@ -193,10 +193,10 @@ def _masked(a, thr, for_moments: bool):
 
 def _adam_phase(a_leaves, thr, cfg: _Adam, state, u_dtypes):
   """Adam's moments from the masked gradient and the adaptive update."""
-  t1 = optax.safe_increment(state.count)
+  t1 = _common.safe_increment(state.count)
   bc1 = _common.bias_correction(cfg.b1, t1)
   bc2 = _common.bias_correction(cfg.b2, t1)
-  bc1_next = _common.bias_correction(cfg.b1, optax.safe_increment(t1))
+  bc1_next = _common.bias_correction(cfg.b1, _common.safe_increment(t1))
   thr = [None] * len(a_leaves) if thr is None else thr
   mus, nus, outs = [], [], []
   for a, th, mu, nu, dtype in zip(a_leaves, thr, state.mu, state.nu, u_dtypes):
@@ -316,4 +316,6 @@ def clip_mask_adam(
     )
     return treedef.unflatten(outs), new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  # The state's None fields (parts that are off) are empty pytrees, which
+  # optax's OptState alias (ArrayTree) does not admit.
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

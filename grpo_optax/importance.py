@@ -223,7 +223,7 @@ def scale_by_importance(
       _common.check_same_structure(
         "hessian_diag", hessian_diag, updates, "scale_by_importance"
       )
-    count_inc = optax.safe_increment(state.count)
+    count_inc = _common.safe_increment(state.count)
     bc = _common.bias_correction(decay, count_inc)
     second = state.hessian is not None
     # With a traced `order` (inject_hyperparams) the state still has `hessian`.
@@ -299,4 +299,6 @@ def scale_by_importance(
     )
     return treedef.unflatten(outs), new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  # The state's None fields (parts that are off) are empty pytrees, which
+  # optax's OptState alias (ArrayTree) does not admit.
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

@@ -217,7 +217,7 @@ def scale_by_nesterov_adam_rms(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    count_inc = optax.safe_increment(state.count)
+    count_inc = _common.safe_increment(state.count)
     filtered = state.filtered
     if filter_decay is not None:
       new_f = optax.tree.update_moment(updates, filtered, filter_decay, 1)
@@ -237,7 +237,7 @@ def scale_by_nesterov_adam_rms(
     bc1 = _common.bias_correction(b1, count_inc)
     bc2 = _common.bias_correction(b2, count_inc)
     if nesterov:
-      bc1_next = _common.bias_correction(b1, optax.safe_increment(count_inc))
+      bc1_next = _common.bias_correction(b1, _common.safe_increment(count_inc))
       mu_hat = jax.tree.map(
         lambda m, gi: nesterov_moment(
           m, gi, b1, bc1.astype(m.dtype), bc1_next.astype(m.dtype)
@@ -281,4 +281,6 @@ def scale_by_nesterov_adam_rms(
       count=count_inc, mu=mu, nu=nu, filtered=filtered, key=new_key
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  # The state's None fields (parts that are off) are empty pytrees, which
+  # optax's OptState alias (ArrayTree) does not admit.
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

@@ -34,6 +34,7 @@ import math
 import warnings
 from typing import Any
 from typing import NamedTuple
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +74,7 @@ def residual_of(acc: jax.Array, threshold: jax.Array) -> jax.Array:
 
 
 def accumulate(
-  g: jax.Array, acc: jax.Array | None, threshold: jax.Array | None
+  g: jax.Array, acc: jax.Array | None, threshold: jax.Array
 ) -> jax.Array:
   """``a = g + r``: the gradient plus the residual of the last step."""
   if acc is None:
@@ -479,7 +480,11 @@ def _score_masks(
       keep = _exact_mask(score, frac, static_k) & (a != 0)
       k = jnp.sum(keep, dtype=jnp.float32) / a.size
     else:
-      thr = sampled_thresholds([score - jnp.min(score)], frac, seed, t)[0]
+      # without with_kept, a list of one threshold per sample
+      thr = cast(
+        jax.Array,
+        sampled_thresholds([score - jnp.min(score)], frac, seed, t)[0],
+      )
       keep = (score - jnp.min(score) >= thr) & (a != 0)
       k = sampled_kept(jnp.where(keep, 1.0, 0.0), jnp.asarray(0.5))
     if d is not False:  # traced min_size
@@ -643,19 +648,24 @@ def top_k_mask(
         ]
       )
     return treedef.unflatten(outs), TopKMaskState(
-      count=optax.safe_increment(t),
+      count=_common.safe_increment(t),
       accumulator=treedef.unflatten(new_acc) if error_feedback else None,
       thresholds=_common.stack(thr, like=state.thresholds),
       frequency=new_freq,
       kept_fraction=(
         None
         if state.kept_fraction is None
-        else size_weighted(kept, [g.size for g in leaves])
+        # kept is a list whenever kept_fraction is (no error feedback)
+        else size_weighted(
+          cast(list[jax.Array], kept), [g.size for g in leaves]
+        )
         + 0 * state.kept_fraction
       ),
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  # The state's None fields (parts that are off) are empty pytrees, which
+  # optax's OptState alias (ArrayTree) does not admit.
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def size_weighted(values: list[jax.Array], sizes: list[int]) -> jax.Array:
@@ -807,7 +817,7 @@ def ema_threshold_mask(
       if acc is not None:
         new_acc.append(a.astype(acc.dtype))
     return treedef.unflatten(outs), EmaThresholdMaskState(
-      count=optax.safe_increment(t),
+      count=_common.safe_increment(t),
       accumulator=treedef.unflatten(new_acc) if error_feedback else None,
       thresholds=_common.stack(thr, like=state.thresholds),
       tau=_common.stack(tau, like=state.tau),
@@ -819,4 +829,6 @@ def ema_threshold_mask(
       ),
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  # The state's None fields (parts that are off) are empty pytrees, which
+  # optax's OptState alias (ArrayTree) does not admit.
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

@@ -133,7 +133,7 @@ def scale_by_variance_lr(
     **extra_args,
   ):
     del params, extra_args
-    count_inc = optax.safe_increment(state.count)
+    count_inc = _common.safe_increment(state.count)
     mu = optax.tree.update_moment(updates, state.mu, decay, 1)
     nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, decay, 2)
     bc = _common.bias_correction(decay, count_inc)

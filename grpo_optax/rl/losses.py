@@ -131,7 +131,7 @@ def token_entropy(
 
 
 def completion_mask(
-  completions: jax.Array, eos_id: int | Sequence[int]
+  completions: jax.Array, eos_id: int | Sequence[int] | jax.Array
 ) -> jax.Array:
   """True up to and including the first end-of-sequence token of each row.
 

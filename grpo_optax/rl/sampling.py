@@ -48,6 +48,7 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +85,7 @@ def _decoder_fn(model: Any) -> Callable[[jax.Array], jax.Array]:
     graphdef, state = nnx.split(model)
     return lambda tokens: nnx.merge(graphdef, state)(tokens)
   if callable(model):
-    return model
+    return cast(Callable[[jax.Array], jax.Array], model)
   raise TypeError(
     f"model must be a Flax NNX module or a callable tokens -> "
     f"logits; got {type(model).__name__}"

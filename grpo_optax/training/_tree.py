@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 
 # A rule selecting leaves: a regex (searched in the leaf's path string), a

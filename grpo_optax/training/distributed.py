@@ -229,10 +229,11 @@ class DataParallelStep:
     self._replicated = NamedSharding(mesh, P())
     self._per_replica = NamedSharding(mesh, P(axis))
     self._batch_sharding = NamedSharding(mesh, P(data_axes))
+    # PartitionSpecs shaped like the state (_make: not the fields' types)
     ex_spec = (
       None
       if exchange == "dense"
-      else ExchangeState(None, P(axis), P(), P(), P())
+      else ExchangeState._make((None, P(axis), P(), P(), P()))
     )
     specs = DataParallelState(P(), P(), P(axis), ex_spec)
     mapped = jax.shard_map(
@@ -275,12 +276,15 @@ class DataParallelStep:
 
     shardings = (
       self._per_replica,
-      ExchangeState(
-        None,
-        self._per_replica,
-        self._replicated,
-        self._replicated,
-        self._replicated,
+      # shardings shaped like the state (_make: not the fields' types)
+      ExchangeState._make(
+        (
+          None,
+          self._per_replica,
+          self._replicated,
+          self._replicated,
+          self._replicated,
+        )
       ),
     )
     residual, ex = jax.jit(make, out_shardings=shardings)(params)
@@ -584,7 +588,7 @@ def collective_bytes(compiled: Any) -> dict[str, int]:
     >>> collective_bytes(hlo)
     {'all-reduce': 4, 'all-gather': 320, 'reduce-scatter': 0, 'all-to-all': 0, 'collective-permute': 0}
   """
-  totals = dict.fromkeys(COLLECTIVES, 0)
+  totals: dict[str, int] = dict.fromkeys(COLLECTIVES, 0)
   for kind, size, _ in collective_ops(compiled):
     totals[kind] += size
   return totals
@@ -623,7 +627,7 @@ def ring_traffic(compiled: Any) -> dict[str, float]:
   Returns:
     A dict with every kind of :data:`COLLECTIVES` and ``"total"``.
   """
-  totals = dict.fromkeys(COLLECTIVES, 0.0)
+  totals: dict[str, float] = dict.fromkeys(COLLECTIVES, 0.0)
   for kind, size, group in collective_ops(compiled):
     totals[kind] += ring_send_bytes(kind, size, group)
   totals["total"] = sum(totals[k] for k in COLLECTIVES)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from grpo_optax import _common
 from grpo_optax.training import _tree
 
 #: Path components of the parameters that are non-core by default: MLP /
@@ -179,7 +180,7 @@ class HierarchicalStep:
         else:  # momentum: EMA of the exact non-core gradients.
           m = next(it)
           new_est.append((beta * m + (1 - beta) * gi).astype(m.dtype))
-      count = optax.safe_increment(h_state.count)
+      count = _common.safe_increment(h_state.count)
       return loss, grads, HierarchicalState(count, treedef.unflatten(new_est))
 
     loss, g = _tree.value_and_grad_subset(self.loss_fn, params, mask, batch)

@@ -74,6 +74,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from grpo_optax import _common
 from grpo_optax.training import distributed
 from grpo_optax.training import exchange as exchange_lib
 
@@ -493,7 +494,8 @@ class LocalSteps:
     self._replicated = NamedSharding(mesh, P())
     self._per_replica = NamedSharding(mesh, P(axis))
     self._batch_sharding = NamedSharding(mesh, P(None, axis))
-    specs = LocalStepsState(P(), P(), P(axis), P(axis), P())
+    # PartitionSpecs shaped like the state (_make: not the fields' types)
+    specs = LocalStepsState._make((P(), P(), P(axis), P(axis), P()))
     mapped = jax.shard_map(
       self._replica_round,
       mesh=mesh,
@@ -637,7 +639,7 @@ class LocalSteps:
       outer,
       stack(inner),
       stack(unsent),
-      optax.safe_increment(state.round),
+      _common.safe_increment(state.round),
     )
     return new, jax.lax.pmean(loss, self.axis)
 
