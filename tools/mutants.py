@@ -345,7 +345,7 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "freeze_bias_correction_dropped",
     "grpo_optax/freezing.py",
-    "bc = _common.bias_correction(decay, optax.safe_increment(t))",
+    "bc = _common.bias_correction(decay, _common.safe_increment(t))",
     "bc = 1.0",
     T_FREEZE,
     "no bias correction of the importance EMA",
@@ -817,7 +817,7 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "fused_nesterov_next_correction_is_current",
     "grpo_optax/fused.py",
-    "bc1_next = _common.bias_correction(cfg.b1, optax.safe_increment(t1))",
+    "bc1_next = _common.bias_correction(cfg.b1, _common.safe_increment(t1))",
     "bc1_next = _common.bias_correction(cfg.b1, t1)",
     T_FUSED + T_ONE,
     "NAdam's look-ahead corrected with 1 - b1^(t+1)",
@@ -857,7 +857,7 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "fused_mask_count_not_advanced",
     "grpo_optax/fused.py",
-    "count=optax.safe_increment(t),\n      accumulator=(treedef.unflatten(a_leaves)",
+    "count=_common.safe_increment(t),\n      accumulator=(treedef.unflatten(a_leaves)",
     "count=t,\n      accumulator=(treedef.unflatten(a_leaves)",
     T_ONE + T_FUSED,
     "the fused mask's count stays 0 (warm-up and draws frozen)",
