@@ -235,7 +235,9 @@ def grid_sample(
   :func:`sample_strides`): both are local on every shard.
   """
   if offsets is None:
-    return x[tuple(slice(None, None, s) for s in strides)]
+    # lax.slice, not x[::s]: NumPy indexing of a concrete sharded array
+    # (outside jit) becomes a gather, which an Explicit mesh refuses.
+    return jax.lax.slice(x, (0,) * x.ndim, x.shape, strides)
   shape, starts, sizes = [], [], []
   for d, (n, s) in enumerate(zip(x.shape, strides)):
     shape += [n // s, s]
@@ -316,6 +318,24 @@ def strided_sample(x: jax.Array, max_n: int = SAMPLE_PER_LEAF) -> jax.Array:
   if x.ndim == 0:
     return x.reshape(1)
   return grid_sample(x, sample_strides(x.shape, max_n))
+
+
+def flat_sample(x: jax.Array) -> jax.Array:
+  """A sample (:func:`strided_sample`) as a vector, to be concatenated with
+  other leaves' samples.
+
+  On an Explicit mesh the sample is replicated first: flattening an axis
+  sharded behind another one, and concatenating differently sharded
+  vectors, have no local result. This moves the sample (about
+  ``SAMPLE_PER_LEAF`` entries), never the leaf; an Auto mesh gathers the
+  same entries.
+  """
+  if explicit_spec(x) is not None:
+    mesh = jax.typeof(x).sharding.mesh
+    x = jax.sharding.reshard(
+      x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
+  return x.reshape(-1)
 
 
 class SampledMoments:

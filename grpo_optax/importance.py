@@ -45,7 +45,7 @@ class ScaleByImportanceState(NamedTuple):
       "weight_std": self.weight_std,
       "score_std": self.score_std,
       "weights": (
-        jnp.concatenate([x.reshape(-1) for x in parts])
+        jnp.concatenate([_common.flat_sample(x) for x in parts])
         if parts
         else jnp.zeros((0,), jnp.float32)
       ),

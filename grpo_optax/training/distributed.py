@@ -3,9 +3,10 @@
 Each replica (a device, or a slice of a :class:`jax.sharding.Mesh` axis)
 computes the gradient of its share of the global batch; the replicas then
 *exchange* gradients so that all of them apply the same mean gradient to the
-same replicated parameters. JAX is the distributed engine: a ``Mesh``,
-:func:`jax.shard_map` and its collectives, and :func:`jax.distributed.initialize`
-to span several processes (CPU: gloo collectives; GPU: NCCL).
+same parameters (replicated, or sharded FSDP-style within a node). JAX is
+the distributed engine: a ``Mesh``, :func:`jax.shard_map` and its
+collectives, and :func:`jax.distributed.initialize` to span several
+processes (CPU: gloo collectives; GPU: NCCL).
 
 Exchanges (:func:`sparse_pmean`, in :mod:`grpo_optax.training.exchange`;
 the compressors in :mod:`grpo_optax.training.compression`): ``"dense"`` (one
@@ -49,6 +50,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -102,8 +104,11 @@ class DataParallelState(NamedTuple):
   """State of :func:`data_parallel_step`.
 
   Attributes:
-    params: the parameters, replicated on every device of the mesh.
-    opt_state: the ``tx`` state, replicated.
+    params: the parameters, replicated on every device of the mesh, or
+      sharded over ``dense_axis`` where :meth:`DataParallelStep.init` got
+      them so.
+    opt_state: the ``tx`` state, laid out as the params (replicated leaves
+      that are not shaped like a parameter).
     residual: the error-feedback residuals, one per replica: each leaf has
       the parameter's shape with a leading axis of size ``W`` (the replicas
       of ``axis``), sharded along ``axis``. None for the dense exchange or
@@ -235,24 +240,52 @@ class DataParallelStep:
       if exchange == "dense"
       else ExchangeState._make((None, P(axis), P(), P(), P()))
     )
-    specs = DataParallelState(P(), P(), P(axis), ex_spec)
-    mapped = jax.shard_map(
-      self._local_step,
+    # The default layout of the state; params (and their opt_state) may
+    # also be sharded over dense_axis (FSDP within a node, see init).
+    self._specs = DataParallelState(P(), P(), P(axis), ex_spec)
+    # The gradient and the exchange per replica; tx runs after it on the
+    # laid-out params (global view), so FSDP-sharded params and their state
+    # stay sharded. Params enter replicated (_global_step gathers them).
+    self._grads = jax.shard_map(
+      self._local_grads,
       mesh=mesh,
-      in_specs=(specs, P(data_axes)),
-      out_specs=(specs, P()),
+      in_specs=(P(), P(axis), ex_spec, P(data_axes)),
+      out_specs=(P(), P(axis), ex_spec, P()),
     )
-    self._step = jax.jit(mapped, donate_argnums=(0,) if donate else ())
+    self._donate = donate
+    self._steps: dict[Any, Any] = {}  # the jitted step per state layout
 
   # -- state and data -------------------------------------------------------
 
   def init(self, params: Any) -> DataParallelState:
-    """Replicates ``params``, initialises ``tx`` and zero residuals.
+    """Places ``params``, initialises ``tx`` and zero residuals.
 
     ``params`` must be the same on every process (e.g. from the same seed).
+    A leaf sharded over ``dense_axis`` (a ``jax.Array`` with a
+    ``NamedSharding`` on this mesh's axes: FSDP within a node) keeps its
+    sharding, and so do the ``tx`` state leaves shaped like it; every
+    other leaf is replicated. The step gathers such a leaf for the
+    gradient and applies ``tx`` to the shards.
+
+    Raises:
+      ValueError: if a leaf of ``params`` is sharded over ``axis`` (the
+        exchange's, whose replicas each hold the whole parameters) or over
+        an axis this mesh lacks.
     """
-    params = jax.tree.map(lambda x: _to_global(x, self._replicated), params)
-    opt_state = jax.jit(self.tx.init, out_shardings=self._replicated)(params)
+    shardings = jax.tree.map(self._param_sharding, params)
+    params = jax.tree.map(_to_global, params, shardings)
+    if all(s.is_fully_replicated for s in jax.tree.leaves(shardings)):
+      state_shardings = self._replicated
+    else:  # optax's recipe: param-shaped state leaves as their params
+      state_shardings = optax.tree.map_params(
+        self.tx,
+        lambda _, sh: sh,
+        jax.eval_shape(self.tx.init, params),
+        shardings,
+        transform_non_params=lambda _: self._replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+      )
+    opt_state = jax.jit(self.tx.init, out_shardings=state_shardings)(params)
     if self.exchange == "dense":
       return DataParallelState(params, opt_state, None, None)
     w = self.num_replicas
@@ -261,6 +294,8 @@ class DataParallelStep:
     )
 
     def make(p):
+      # Replicated as in the step (the residuals are whole per replica).
+      p = jax.tree.map(lambda x: _constrain(x, self._replicated), p)
       ex = init_exchange(
         p,
         exchange=self.exchange,
@@ -312,24 +347,93 @@ class DataParallelStep:
 
   def step(self, state: DataParallelState, batch: Any):
     """One step on the global ``batch``; ``state`` is donated."""
-    return self._step(state, self.shard_batch(batch))
+    return self._compiled(state)(state, self.shard_batch(batch))
 
   __call__ = step
 
   def lower(self, state: DataParallelState, batch: Any) -> jax.stages.Lowered:
     """The lowered step (``.compile()``, ``.as_text()``) for ``state, batch``."""
-    return self._step.lower(state, self.shard_batch(batch))
+    return self._compiled(state).lower(state, self.shard_batch(batch))
 
   # -- the program ----------------------------------------------------------
 
-  def _local_step(self, state: DataParallelState, batch: Any):
+  def _param_sharding(self, x: Any) -> NamedSharding:
+    """Where :meth:`init` puts a leaf of the params (see there)."""
+    sharding = getattr(x, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if not isinstance(sharding, NamedSharding) or spec is None:
+      return self._replicated
+    used = {
+      a
+      for entry in spec
+      if entry is not None
+      for a in (entry if isinstance(entry, tuple) else (entry,))
+    }
+    if not used:
+      return self._replicated
+    if not used <= {self.dense_axis}:
+      allowed = (
+        "must be replicated (no `dense_axis` to shard them over)"
+        if self.dense_axis is None
+        else f"may be sharded over `dense_axis` ({self.dense_axis!r}) only"
+      )
+      raise ValueError(
+        f"`params` has a leaf of shape {tuple(x.shape)} sharded as {spec} "
+        f"on the mesh {dict(self.mesh.shape)}: params {allowed}, not over "
+        f"`axis` ({self.axis!r}, the axis of the exchange, whose replicas "
+        "each hold the whole parameters) or another axis."
+      )
+    return NamedSharding(self.mesh, spec)
+
+  def _compiled(self, state: DataParallelState):
+    """The jitted step for the layout of ``state`` (compiled once each)."""
+
+    def layout(spec, sub):
+      default = NamedSharding(self.mesh, spec)
+      return jax.tree.map(
+        lambda x: (
+          s
+          if isinstance(s := getattr(x, "sharding", None), NamedSharding)
+          else default
+        ),
+        sub,
+      )
+
+    shardings = jax.tree.map(
+      layout, self._specs, state, is_leaf=lambda x: isinstance(x, P)
+    )
+    key = (jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings)))
+    if key not in self._steps:
+      self._steps[key] = jax.jit(
+        functools.partial(self._global_step, shardings.params),
+        in_shardings=(shardings, self._batch_sharding),
+        out_shardings=(shardings, self._replicated),
+        donate_argnums=(0,) if self._donate else (),
+      )
+    return self._steps[key]
+
+  def _global_step(self, param_shardings, state: DataParallelState, batch):
+    # Sharded params are gathered for the gradient (FSDP): one all-gather
+    # over dense_axis per sharded leaf, none for replicated ones.
+    whole = jax.tree.map(
+      lambda p: _constrain(p, self._replicated), state.params
+    )
+    grads, residual, ex, value = self._grads(
+      whole, state.residual, state.exchange, batch
+    )
+    # The mean gradient (replicated) laid out as the params: a local slice.
+    grads = jax.tree.map(_constrain, grads, param_shardings)
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    return DataParallelState(new_params, opt_state, residual, ex), value
+
+  def _local_grads(self, params, residual, ex, batch):
     # Varying params: each replica differentiates its own loss, and no
     # implicit psum of the full gradient enters the program.
-    params = jax.lax.pcast(state.params, self.data_axes, to="varying")
+    params = jax.lax.pcast(params, self.data_axes, to="varying")
     value, grads = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)(
       params, batch
     )
-    residual, ex = state.residual, state.exchange
     if self.exchange == "dense":
       grads = jax.lax.pmean(grads, self.data_axes)
     else:
@@ -349,10 +453,16 @@ class DataParallelStep:
       stacked = lambda t: jax.tree.map(lambda r: r[None], t)
       residual = stacked(ex.residual)
       ex = ex._replace(residual=None, velocity=stacked(ex.velocity))
-    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
     value = jax.lax.pmean(value, self.data_axes)
-    return DataParallelState(new_params, opt_state, residual, ex), value
+    return grads, residual, ex, value
+
+
+def _constrain(x: Any, sharding: NamedSharding) -> Any:
+  """``x`` laid out with ``sharding`` (a reshard on an Explicit mesh)."""
+  explicit = jax.sharding.AxisType.Explicit
+  if any(t == explicit for t in sharding.mesh.axis_types):
+    return jax.sharding.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def data_parallel_step(
@@ -390,13 +500,17 @@ def data_parallel_step(
 
   With ``exchange="dense"`` the step equals single-device training on the
   global batch (the mean of equal shares' mean gradients is the global mean
-  gradient). ``tx`` is any optax transformation; it runs replicated, after
-  the exchange.
+  gradient). ``tx`` is any optax transformation; it runs after the exchange,
+  on the params as laid out.
 
   Hierarchical form: on a 2-D mesh, e.g. ``Mesh(devices.reshape(nodes,
   per_node), ("node", "local"))``, ``axis="node", dense_axis="local"``
   averages densely within each node first, then runs the sparse exchange
-  across nodes (one residual per node).
+  across nodes (one residual per node). There the params may be sharded
+  over ``dense_axis`` (FSDP within a node): :meth:`DataParallelStep.init`
+  keeps their shardings, the step gathers them for the gradient and applies
+  ``tx`` to the shards (its state sharded likewise); the steps equal those
+  on replicated params.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar`` (or ``(scalar, aux)``
