@@ -1,0 +1,42 @@
+"""The tier lists name tests that exist, and keep the fast tier's invariants."""
+
+import importlib.util
+import pathlib
+import re
+
+HERE = pathlib.Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location(
+  "slow_tests", HERE.parent / "tools" / "slow_tests.py"
+)
+slow_tests = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(slow_tests)
+
+
+def test_every_listed_slow_test_exists():
+  missing = []
+  for name in sorted(slow_tests.read_listed()):
+    file, test = name.split("::", 1)
+    function = test.split("[", 1)[0]
+    path = HERE / file
+    if not path.exists() or not re.search(
+      rf"^def {re.escape(function)}\(", path.read_text(), re.M
+    ):
+      missing.append(name)
+  assert not missing, missing
+
+
+def test_the_fast_tier_keeps_its_invariants():
+  assert not slow_tests.KEEP_FAST & slow_tests.read_listed()
+  for name in slow_tests.KEEP_FAST:
+    file, test = name.split("::", 1)
+    assert f"def {test.split('[', 1)[0]}(" in (HERE / file).read_text(), name
+
+
+def test_report_reader_picks_the_slow_cases(tmp_path):
+  report = tmp_path / "r.xml"
+  report.write_text(
+    '<testsuites><testsuite><testcase classname="tests.test_a" '
+    'name="test_x[1]" time="5.2"/><testcase classname="tests.test_a" '
+    'name="test_y" time="0.3"/></testsuite></testsuites>'
+  )
+  assert slow_tests.slow_in_report(str(report), 4.0) == {"test_a.py::test_x[1]"}
