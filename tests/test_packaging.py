@@ -62,7 +62,7 @@ def test_lowest_versions_file_pins_the_declared_lower_bounds():
 
 
 def test_python_bound_matches_the_lowest_jax():
-  # jax 0.8.2 (the lowest bound) requires Python 3.11.
+  # jax 0.10.0 (the lowest bound) requires Python 3.11.
   assert PROJECT["requires-python"] == ">=3.11"
   assert "Programming Language :: Python :: 3.11" in PROJECT["classifiers"]
   assert "Typing :: Typed" in PROJECT["classifiers"]
