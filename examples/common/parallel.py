@@ -21,11 +21,22 @@ every ``H`` steps :func:`grpo_optax.training.outer_step` averages the
 replicas' parameter changes through the exchange and applies the outer
 Nesterov SGD (``--outer-lr``, ``--outer-momentum``); BatchNorm statistics are
 averaged at the same time.
+
+The ``--exchange-*`` flags are the keyword arguments of
+:func:`grpo_optax.training.data_parallel_step` (:func:`exchange_kwargs`):
+``--exchange-values``, ``--exchange-indices``, ``--exchange-support``,
+``--exchange-rank`` and ``--exchange-warmup-steps`` name ``values``,
+``indices``, ``support``, ``rank`` and ``warmup_steps``, with the library's
+defaults when unset. The sparsity warm-up and the replicated support keep
+state beyond the residuals (the step count, the support's statistics): the
+examples then carry a :class:`~grpo_optax.training.ExchangeState` and
+checkpoint all of it.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -37,8 +48,31 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from grpo_optax import training
+from grpo_optax.training import compression
 
 AXIS = "data"
+
+#: The ``--exchange-*`` options: ``data_parallel_step`` keyword -> (flag,
+#: the exchanges it applies to).
+EXCHANGE_OPTIONS = {
+  "values": ("--exchange-values", ("all_gather", "shared_support", "powersgd")),
+  "indices": ("--exchange-indices", ("all_gather",)),
+  "support": ("--exchange-support", ("shared_support",)),
+  "rank": ("--exchange-rank", ("powersgd",)),
+  "warmup_steps": (
+    "--exchange-warmup-steps",
+    ("all_gather", "shared_support"),
+  ),
+}
+#: The library's defaults of those options (what an unset flag means).
+EXCHANGE_DEFAULTS = {
+  name: inspect.signature(training.data_parallel_step).parameters[name].default
+  for name in EXCHANGE_OPTIONS
+}
+
+
+def _attr(flag: str) -> str:
+  return flag[2:].replace("-", "_")
 
 
 def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +112,7 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     help="Entries per chunk of the shared_support exchange "
     "and of the int8 payload.",
   )
+  add_exchange_option_flags(group)
   group.add_argument(
     "--local-steps",
     type=int,
@@ -125,12 +160,63 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
   group.add_argument("--process-id", type=int, default=0)
 
 
+def add_exchange_option_flags(group: Any) -> None:
+  """The payload and compressor options of the exchange (``values``,
+  ``indices``, ``support``, ``rank``, ``warmup_steps`` of
+  :func:`grpo_optax.training.data_parallel_step`); each flag needs an
+  ``--exchange`` it applies to.
+  """
+  group.add_argument(
+    "--exchange-values",
+    choices=compression.VALUE_FORMATS,
+    default=None,
+    help="Payload values of a compressed exchange: float32, bfloat16 "
+    "(all_gather, shared_support, powersgd) or int8 (all_gather only; "
+    "a per-leaf scale beside) (default: float32).",
+  )
+  group.add_argument(
+    "--exchange-indices",
+    choices=compression.INDEX_FORMATS,
+    default=None,
+    help="Indices of the all_gather payload: int32, or compact (blocks of "
+    "65,536 entries, uint16 offsets or a bitmap, whichever is smaller) "
+    "(default: int32).",
+  )
+  group.add_argument(
+    "--exchange-support",
+    choices=compression.SUPPORTS,
+    default=None,
+    help="How shared_support chooses its chunks: norms (all-reduced chunk "
+    "norms) or replicated (an estimate from the past aggregated updates, "
+    "no collective) (default: norms).",
+  )
+  group.add_argument(
+    "--exchange-rank",
+    type=int,
+    default=None,
+    metavar="R",
+    help="Rank of the powersgd exchange, >= 1 (default: 1).",
+  )
+  group.add_argument(
+    "--exchange-warmup-steps",
+    type=int,
+    default=None,
+    metavar="N",
+    help="Steps per stage of Deep Gradient Compression's sparsity warm-up "
+    "(all_gather, shared_support): kept fractions 0.25, 0.0625, ... down "
+    "to --exchange-fraction, N steps each (default: 0, off).",
+  )
+
+
 def check_parallel_args(
   parser: argparse.ArgumentParser, args: argparse.Namespace
 ) -> None:
   """Rejects inconsistent flags; fills in the exchange defaults."""
   if not args.data_parallel:
-    for flag in ("exchange", "exchange_fraction"):
+    names = ["exchange", "exchange_fraction"] + [
+      _attr(flag) for flag, _ in EXCHANGE_OPTIONS.values()
+    ]
+    for flag in names:
       if getattr(args, flag) is not None:
         parser.error(f"--{flag.replace('_', '-')} needs --data-parallel")
     if args.num_processes != 1 or args.distributed != "flags":
@@ -144,6 +230,7 @@ def check_parallel_args(
     parser.error(
       f"--exchange-fraction must be in (0, 1], got {args.exchange_fraction}"
     )
+  check_exchange_option_args(parser, args)
   if args.num_processes < 1:
     parser.error(f"--num-processes must be >= 1, got {args.num_processes}")
   if not 0 <= args.process_id < args.num_processes:
@@ -154,6 +241,58 @@ def check_parallel_args(
   if args.num_processes > 1 and not args.coordinator_address:
     parser.error("--num-processes > 1 needs --coordinator-address")
   check_local_step_args(parser, args)
+
+
+def check_exchange_option_args(
+  parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> None:
+  """Each ``--exchange-*`` option given needs an ``--exchange`` it applies
+  to (int8 values: all_gather) and no ``--local-steps`` (the outer exchange
+  takes none of them). Unset ones stay None in ``args`` (a run started
+  before these flags existed resumes with the same config);
+  :func:`exchange_kwargs` reads them as the library's defaults.
+  """
+  for name, (flag, exchanges) in EXCHANGE_OPTIONS.items():
+    value = getattr(args, _attr(flag))
+    if value is None:
+      continue
+    if args.local_steps:
+      parser.error(
+        f"{flag} does not apply to --local-steps (the outer exchange "
+        "takes no payload or compressor options)"
+      )
+    if name == "values" and value == "int8":
+      exchanges = ("all_gather",)
+    if args.exchange not in exchanges:
+      parser.error(
+        f"{flag} {value} needs --exchange {' or '.join(exchanges)}, got "
+        f"--exchange {args.exchange}"
+      )
+  if args.exchange_rank is not None and args.exchange_rank < 1:
+    parser.error(f"--exchange-rank must be >= 1, got {args.exchange_rank}")
+  if args.exchange_warmup_steps is not None and args.exchange_warmup_steps < 0:
+    parser.error(
+      f"--exchange-warmup-steps must be >= 0, got {args.exchange_warmup_steps}"
+    )
+
+
+def exchange_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+  """The exchange the (checked) flags name, as keyword arguments of
+  :func:`grpo_optax.training.data_parallel_step` (and of
+  :func:`~grpo_optax.training.sparse_pmean`): ``exchange``, ``fraction``,
+  ``chunk_size`` and the :data:`EXCHANGE_OPTIONS` (the library's defaults
+  where unset).
+  """
+  options = {}
+  for name, (flag, _) in EXCHANGE_OPTIONS.items():
+    value = getattr(args, _attr(flag))
+    options[name] = EXCHANGE_DEFAULTS[name] if value is None else value
+  return {
+    "exchange": args.exchange,
+    "fraction": args.exchange_fraction,
+    "chunk_size": args.exchange_chunk_size,
+    **options,
+  }
 
 
 def check_local_step_args(
@@ -230,6 +369,15 @@ class Replicas:
   With ``local_steps`` (DiLoCo) the train state holds one copy per replica
   (leading axis ``W``, sharded over the devices), the step exchanges
   nothing, and :meth:`outer_sync` runs the outer step every ``H`` steps.
+
+  ``values``, ``indices``, ``support``, ``rank`` and ``warmup_steps`` are
+  :func:`~grpo_optax.training.sparse_pmean`'s (not with ``local_steps``).
+  The residual the step carries is a list of per-replica leaves, or (when
+  :attr:`keeps_state`: the sparsity warm-up, the replicated support) an
+  :class:`~grpo_optax.training.ExchangeState` holding that list, the step
+  count and the support. PowerSGD keeps no ``Q`` between steps here (a cold
+  start from a fixed ``Q`` every step, as before), unlike
+  ``data_parallel_step``'s warm start.
   """
 
   def __init__(
@@ -238,6 +386,11 @@ class Replicas:
     fraction: float,
     *,
     chunk_size: int = 64,
+    values: str = "float32",
+    indices: str = "int32",
+    support: str = "norms",
+    rank: int = 1,
+    warmup_steps: int = 0,
     local_steps: int = 0,
     outer_lr: float = 0.7,
     outer_momentum: float = 0.9,
@@ -245,6 +398,18 @@ class Replicas:
   ):
     self.exchange, self.fraction = exchange, fraction
     self.chunk_size = chunk_size
+    self.options = {
+      "values": values,
+      "indices": indices,
+      "support": support,
+      "rank": rank,
+      "warmup_steps": warmup_steps,
+    }
+    if local_steps and self.options != EXCHANGE_DEFAULTS:
+      raise ValueError(
+        "the outer exchange of local steps takes none of "
+        f"{tuple(EXCHANGE_OPTIONS)}; got {self.options}"
+      )
     self.local_steps = local_steps
     self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
     self.outer_quantize = outer_quantize
@@ -262,6 +427,25 @@ class Replicas:
     if self.local_steps:
       return self.exchange != "dense" or self.outer_quantize is not None
     return self.exchange != "dense"
+
+  @property
+  def keeps_state(self) -> bool:
+    """Whether the exchange keeps state beyond the residuals (an
+    :class:`~grpo_optax.training.ExchangeState`: the warm-up's step count,
+    the replicated support's statistics).
+    """
+    if self.local_steps or self.exchange == "dense":
+      return False
+    return bool(self.options["warmup_steps"]) or (
+      self.exchange == "shared_support"
+      and self.options["support"] == "replicated"
+    )
+
+  @property
+  def _residual_spec(self) -> Any:
+    if self.keeps_state:  # Residuals per replica, the rest replicated.
+      return training.ExchangeState._make((P(AXIS), P(AXIS), P(), P(), P()))
+    return P(AXIS)
 
   # -- inside the step ------------------------------------------------------
 
@@ -283,9 +467,10 @@ class Replicas:
     """A different key per replica (augmentation, dropout, masking)."""
     return jax.random.fold_in(key, jax.lax.axis_index(AXIS))
 
-  def exchange_grads(self, grads: Any, residual: list | None):
+  def exchange_grads(self, grads: Any, residual: Any):
     """``(mean gradient, new residual)``; the residual is a list of the
-    gradient's leaves, each with a leading replica axis of size 1 here.
+    gradient's leaves, each with a leading replica axis of size 1 here (or
+    an :class:`~grpo_optax.training.ExchangeState` holding that list).
     With local steps: the replica's own gradient, residual untouched.
     """
     leaves, treedef = jax.tree.flatten(grads)
@@ -293,7 +478,11 @@ class Replicas:
       return grads, residual
     if self.exchange == "dense":
       return treedef.unflatten(jax.lax.pmean(leaves, AXIS)), residual
-    local = [r[0] for r in residual]
+    state = isinstance(residual, training.ExchangeState)
+    own = residual.residual if state else residual
+    local = [r[0] for r in own]
+    if state:
+      local = residual._replace(residual=local)
     mean, local = training.sparse_pmean(
       leaves,
       local,
@@ -301,7 +490,12 @@ class Replicas:
       exchange=self.exchange,
       fraction=self.fraction,
       chunk_size=self.chunk_size,
+      **self.options,
     )
+    if state:
+      return treedef.unflatten(mean), local._replace(
+        residual=[r[None] for r in local.residual]
+      )
     return treedef.unflatten(mean), [r[None] for r in local]
 
   # -- outside --------------------------------------------------------------
@@ -325,12 +519,12 @@ class Replicas:
         return _stack(state), residual, jax.tree.map(_replica_mean, metrics)
 
     batch = (P(AXIS),) * num_batch_args
-    spec = self._state_spec
+    spec, residual = self._state_spec, self._residual_spec
     mapped = jax.shard_map(
       step,
       mesh=self.mesh,
-      in_specs=(spec, P(AXIS), *batch, P()),
-      out_specs=(spec, P(AXIS), P()),
+      in_specs=(spec, residual, *batch, P()),
+      out_specs=(spec, residual, P()),
     )
     return jax.jit(
       mapped, donate_argnums=(0, 1), compiler_options=compiler_options
@@ -450,14 +644,28 @@ class Replicas:
   def init_residual(self, params: Any):
     """Zero error-feedback residuals per replica (with local steps: the
     unsent parts of the parameter change); None for the dense exchange
-    (float payload).
+    (float payload). When :attr:`keeps_state`: an
+    :class:`~grpo_optax.training.ExchangeState` of those residuals, a zero
+    step count and the initial support, replicated.
     """
     if not self.has_residual:
       return None
-    return [
+    leaves = jax.tree.leaves(params)
+    residual = [
       self._put(np.zeros((self.num_replicas,) + x.shape, x.dtype), P(AXIS))
-      for x in jax.tree.leaves(params)
+      for x in leaves
     ]
+    if not self.keeps_state:
+      return residual
+    rest = training.init_exchange(
+      [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves],
+      exchange=self.exchange,
+      error_feedback=False,
+      support=self.options["support"],
+      chunk_size=self.chunk_size,
+      rank=self.options["rank"],
+    )
+    return self.replicate(jax.device_get(rest))._replace(residual=residual)
 
   def local(self, tree: Any) -> Any:
     """A single-device copy of the state (this process's first device; with
@@ -498,6 +706,11 @@ class Replicas:
         outer_quantize=self.outer_quantize,
         chunk_size=self.chunk_size,
       )
+    info.update(
+      (name, value)
+      for name, value in self.options.items()
+      if value != EXCHANGE_DEFAULTS[name]
+    )
     return info
 
 
@@ -524,10 +737,11 @@ def make_replicas(args: argparse.Namespace) -> Replicas | None:
   """The :class:`Replicas` of ``--data-parallel`` (None without it)."""
   if not args.data_parallel:
     return None
+  kwargs = exchange_kwargs(args)
   replicas = Replicas(
-    args.exchange,
-    args.exchange_fraction,
-    chunk_size=args.exchange_chunk_size,
+    kwargs.pop("exchange"),
+    kwargs.pop("fraction"),
+    **kwargs,
     local_steps=args.local_steps,
     outer_lr=args.outer_lr,
     outer_momentum=args.outer_momentum,
@@ -544,14 +758,21 @@ def make_replicas(args: argparse.Namespace) -> Replicas | None:
 
 
 def checkpoint_items(
-  state: Any, residual: list | None, outer: dict | None
+  state: Any, residual: Any, outer: dict | None
 ) -> dict[str, Any]:
   """The trees a data-parallel checkpoint holds, as they lie on the mesh:
   ``state`` ({"model", "optimizer"}: replicated, or per replica with local
-  steps), ``residual`` (per replica) and ``outer`` (local steps).
+  steps), ``residual`` (per replica), ``exchange`` (the rest of an
+  :class:`~grpo_optax.training.ExchangeState`: the step count, the
+  replicated support) and ``outer`` (local steps).
   """
   pure = nnx.to_pure_dict(state)
   items = {"state": {"model": pure[0], "optimizer": pure[1]}}
+  if isinstance(residual, training.ExchangeState):
+    items["exchange"] = {"count": residual.count}
+    if residual.support is not None:
+      items["exchange"]["support"] = list(residual.support)
+    residual = residual.residual
   if residual is not None:
     items["residual"] = list(residual)
   if outer is not None:
@@ -564,7 +785,7 @@ def save(
   step: int,
   history: dict,
   state: Any,
-  residual: list | None,
+  residual: Any,
   outer: dict | None,
 ) -> None:
   """Checkpoint ``step`` of a data-parallel run; every process calls it and
@@ -589,7 +810,17 @@ def place(workdir: Any, replicas: Replicas, model: nnx.Module, state: Any):
     nnx.replace_by_pure_dict(
       state, {0: items["state"]["model"], 1: items["state"]["optimizer"]}
     )
-    residual, outer = items.get("residual"), items.get("outer")
+    outer = items.get("outer")
+    if isinstance(residual, training.ExchangeState):
+      rest = items["exchange"]
+      support = rest.get("support")
+      residual = residual._replace(
+        residual=list(items["residual"]),
+        count=rest["count"],
+        support=None if support is None else tuple(support),
+      )
+    else:
+      residual = items.get("residual")
   return step, history, (state, residual, outer)
 
 
