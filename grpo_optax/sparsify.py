@@ -232,14 +232,14 @@ def bisect_thresholds(
       )
     return out
 
+  def start(x):
+    lo, hi = jnp.min(x), jnp.max(x)
+    # The count at lo (all of x) as a value of x's type: inside shard_map a
+    # constant would be invariant while the loop's count varies like x.
+    return lo, hi, jnp.where(False, hi, jnp.float32(x.size))
+
   bounds = jax.lax.fori_loop(
-    0,
-    _BISECTION_STEPS,
-    body,
-    [
-      (jnp.min(x), jnp.max(x), jnp.asarray(x.size, jnp.float32))
-      for x in samples
-    ],
+    0, _BISECTION_STEPS, body, [start(x) for x in samples]
   )
   # Keeping everything (a warm-up's first step) must not drop the entries
   # that lie below the sample's minimum.

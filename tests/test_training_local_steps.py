@@ -240,6 +240,16 @@ def test_grpo_inner_and_shared_support_outer_train():
   assert np.asarray(state.unsent["w"]).shape == (W, D, 2)
 
 
+def test_grpo_inner_with_masked_leaves_keeps_the_scan_carry_types():
+  # min_size=0: every leaf is masked, so the sampled top-k's bisection loop
+  # runs inside the round's shard_map (its carry must vary like the leaf).
+  ls = training.local_steps_step(
+    _loss, grpo_optax.grpo(0.01, min_size=0), _mesh(), local_steps=H
+  )
+  _, losses = _run(ls, _batches(2, seed=1))
+  assert all(np.isfinite(losses))
+
+
 def test_round_sends_the_exchange_once():
   """Dense round traffic = one dense DP step's; per step it is 1/H."""
   ls = training.local_steps_step(_loss, optax.sgd(0.1), _mesh(), local_steps=H)
