@@ -251,6 +251,8 @@ def test_sharded_round_trip_keeps_sharding_without_collectives():
     assert op not in text
   dec = jax.jit(lambda s: qz.decode(fmt, s))(stored)
   assert dec.sharding.is_equivalent_to(param, 2)
-  np.testing.assert_array_equal(
-    dec, qz.decode(fmt, qz.encode(fmt, np.asarray(x)))
+  # The same values as one device's round trip (to 1 ulp: jax 0.10.0's
+  # fused program rounds the rescaling differently from the eager one).
+  np.testing.assert_allclose(
+    dec, qz.decode(fmt, qz.encode(fmt, np.asarray(x))), rtol=1e-6, atol=0
   )
