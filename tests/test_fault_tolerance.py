@@ -139,12 +139,17 @@ def test_killed_process_is_restarted_and_ends_as_uninterrupted(tmp_path):
 
 
 _FLAKY = """
-import os, sys
+import os, sys, time
 i = sys.argv[sys.argv.index("--process-id") + 1]
 marker = os.path.join(sys.argv[1], "ran" + i)
 first = not os.path.exists(marker)
 open(marker, "a").write("x")
 if i == "1" and first:
+    # Die only once process 0 has run (under load it may start later).
+    other = os.path.join(sys.argv[1], "ran0")
+    deadline = time.time() + 30
+    while not os.path.exists(other) and time.time() < deadline:
+        time.sleep(0.05)
     os.kill(os.getpid(), 9)
 print("attempt", open(marker).read().count("x"), "process", i)
 """
