@@ -16,7 +16,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # -- test tiers ---------------------------------------------------------------
 # The fast tier, `pytest -m "not slow"`, is the edit loop and what CI runs (the
-# README's test command; about 5 minutes on 2 cores); the slow tier,
+# README's test command; about 6 minutes on 2 cores); the slow tier,
 # `pytest -m slow`, runs before a release (docs/development.md). Slow: what
 # trains an example, spawns processes or runs a benchmark smoke test (marked
 # in its file with @pytest.mark.slow or listed here), and every single test
