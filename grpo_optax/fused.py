@@ -237,8 +237,10 @@ def _init_moment(params, dtype, fmt):
   return quantization.tree_init(fmt, params)
 
 
-def _decode(fmt, stored):
-  return stored if fmt is None else quantization.tree_decode(fmt, stored)
+def _decode(fmt, stored, floor=False):
+  if fmt is None:
+    return stored
+  return quantization.tree_decode(fmt, stored, floor=floor)
 
 
 def _encode(fmt, tree):
@@ -294,7 +296,7 @@ def clip_mask_adam(
     a_leaves, thr, mask_state = _mask_phase(x_leaves, mask, state.mask, treedef)
     ad = state.adaptive
     mu_old = _decode(adam.mu_format, ad.mu)
-    nu_old = _decode(adam.nu_format, ad.nu)
+    nu_old = _decode(adam.nu_format, ad.nu, True)  # a denominator: floored
     outs, mus, nus, t1 = _adam_phase(
       a_leaves,
       thr,

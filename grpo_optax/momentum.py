@@ -68,9 +68,11 @@ def moments_like(params, dtype) -> Any:
   )
 
 
-def _decoded(fmt, stored):
+def _decoded(fmt, stored, floor=False):
   """The float32 tree of a stored moment (as is when ``fmt`` is None)."""
-  return stored if fmt is None else quantization.tree_decode(fmt, stored)
+  if fmt is None:
+    return stored
+  return quantization.tree_decode(fmt, stored, floor=floor)
 
 
 def scale_by_nesterov_adam_rms(
@@ -228,7 +230,8 @@ def scale_by_nesterov_adam_rms(
       g = updates
     # Moments stored wider than the gradient (float16 params) get the
     # gradient in their dtype before it is squared.
-    mu, nu = _decoded(mu_fmt, state.mu), _decoded(nu_fmt, state.nu)
+    # nu is a denominator: its 8-bit code 0 must not decode to 0 (floor).
+    mu, nu = _decoded(mu_fmt, state.mu), _decoded(nu_fmt, state.nu, True)
     g = jax.tree.map(
       lambda x, v: x.astype(jnp.promote_types(x.dtype, v.dtype)), g, nu
     )

@@ -27,11 +27,22 @@ chosen by measuring the error on Adam moments (``python -m benchmarks.memory
 block's maximum is stored exactly (code ``Q``), so a block that decays as a
 whole (``nu`` times ``b2``) keeps its relative values.
 
+Denominators: ``decode(..., floor=True)`` decodes code 0 as the upper end
+of the values it stands for, :math:`s (1/Q)^p / 2`, not 0; the optimizers
+decode ``nu`` so, since an entry of ``nu`` rounds to 0 while the matching
+``mu`` entry does not (``nu`` spans the gradient's range squared), and
+Adam's step :math:`\\hat m / (\\sqrt{\\hat v} + \\epsilon)` would become
+:math:`\\hat m / \\epsilon`.
+
 Block layout: blocks run along the *last* axis only, so the codes have the
 parameter's shape and the scales the parameter's rank, with shape
 ``x.shape[:-1] + (ceil(x.shape[-1] / B),)``. A leaf sharded along any axis
 (the last one in multiples of ``B`` entries per shard) is encoded and decoded
-shard by shard, with no communication and no ``reshape(-1)``. The block size
+shard by shard, with no communication and no ``reshape(-1)``; a leaf whose
+shards along the last axis ``B`` does not divide (a ``(64, 768)`` leaf over 8
+devices, 96 per shard, in blocks of 256) is refused by :func:`tree_init` with
+an error that names it, rather than blocked across shards (a reshape error on
+an Explicit mesh, an all-gather every step on an Auto one). The block size
 is ``B = min(block_size, x.shape[-1])``: a vector of 10 entries is one block
 of 10; a scalar is one block of 1 (stored exactly, scale of shape ``()``).
 A last axis that ``B`` does not divide ends in one shorter block.
@@ -183,15 +194,64 @@ def bytes_per_entry(fmt: FormatLike, shape: tuple[int, ...]) -> float:
   ) / max(size, 1)
 
 
-def init(fmt: FormatLike, like: Any) -> Any:
-  """The stored form of zeros shaped like ``like`` (array or ShapeDtypeStruct)."""
+def init(fmt: FormatLike, like: Any, *, name: str = "an array") -> Any:
+  """The stored form of zeros shaped like ``like`` (array or ShapeDtypeStruct).
+
+  Raises:
+    ValueError: if ``like`` is sharded along its last axis in shards that
+      the blocks do not tile (see :func:`tree_init`); ``name`` names it.
+  """
   fmt = state_format(fmt)
+  _check_blocks_in_shards(fmt, like, name)
   shape = tuple(like.shape)
   if not fmt.blocked:
     return jnp.zeros(shape, fmt.dtype)
   return Quantized(
     jnp.zeros(shape, fmt.dtype), jnp.zeros(scale_shape(fmt, shape), jnp.float32)
   )
+
+
+def _sharding_of(x: Any) -> Any:
+  """The sharding of ``x`` where known: an array's, a ShapeDtypeStruct's,
+  or a traced value's type (Explicit mesh axes only), else None.
+  """
+  if isinstance(x, jax.core.Tracer):
+    return jax.typeof(x).sharding
+  return getattr(x, "sharding", None)
+
+
+def _check_blocks_in_shards(fmt: StateFormat, x: Any, name: str) -> None:
+  """Raises unless every block of ``x`` lies within one shard.
+
+  Blocks of ``B = min(block_size, n)`` entries tile the last axis (``n``
+  entries) from 0; shards of ``w < n`` entries along that axis hold whole
+  blocks iff ``B`` divides ``w`` (the last block may be shorter). Otherwise encoding would reshape across
+  shards: a ``ShardingTypeError`` on an Explicit mesh, a silent all-gather
+  on an Auto one. Checked where the sharding is known: arrays (both mesh
+  kinds) and, under ``jit``, Explicit mesh axes.
+
+  Raises:
+    ValueError: naming ``name``, the sharding and the block size.
+  """
+  shape = tuple(x.shape)
+  sharding = _sharding_of(x) if fmt.blocked and shape and shape[-1] else None
+  if sharding is None:
+    return
+  try:
+    width = sharding.shard_shape(shape)[-1]
+  except (ValueError, TypeError, AttributeError):  # unknown layouts: no check
+    return
+  b = min(fmt.block_size, shape[-1])
+  if width < shape[-1] and width % b:
+    raise ValueError(
+      f"{fmt.name!r} state of {name} (shape {shape}) cannot be blocked "
+      f"within its shards: sharded as {sharding}, {width} entries per "
+      f"shard along the last axis, which blocks of {b} entries (block_size="
+      f"{fmt.block_size}) do not tile; every block must lie within one shard "
+      f"(no collective). Use a block_size that divides {width}, e.g. "
+      f"quantization.state_format({fmt.name!r}, block_size={math.gcd(width, b)}), "
+      "or do not shard this leaf's last axis."
+    )
 
 
 def _blocks(fmt: StateFormat, x: jax.Array) -> tuple[jax.Array, int]:
@@ -243,12 +303,16 @@ def _encode_blocked(fmt: StateFormat, x: jax.Array) -> Quantized:
   return Quantized(codes, absmax.reshape(scale_shape(fmt, shape)))
 
 
-def _decode_blocked(fmt: StateFormat, stored: Quantized) -> jax.Array:
+def _decode_blocked(
+  fmt: StateFormat, stored: Quantized, floor: bool
+) -> jax.Array:
   codes = stored.codes
   shape = codes.shape
   qb, pad = _blocks(fmt, codes)
   q = qb.astype(jnp.float32)
   mag = _magnitude(fmt, jnp.abs(q))
+  if floor:  # code 0 holds [0, s (1/Q)^p / 2]: its upper end
+    mag = jnp.where(q == 0, 0.5 * _magnitude(fmt, jnp.float32(1)), mag)
   value = jnp.where(q < 0, -mag, mag)
   scale = stored.scale.reshape(qb.shape[:-1])
   return _unblock(value * scale[..., None], pad, shape)
@@ -293,6 +357,7 @@ def encode(
   """
   fmt = state_format(fmt)
   if fmt.blocked:
+    _check_blocks_in_shards(fmt, x, "an array")
     return _encode_blocked(fmt, x)
   if fmt.stochastic:
     if key is None:
@@ -304,11 +369,36 @@ def encode(
   return x.astype(fmt.dtype)
 
 
-def decode(fmt: FormatLike, stored: Any) -> jax.Array:
-  """The float32 array of the parameter's shape that ``stored`` represents."""
+def decode(fmt: FormatLike, stored: Any, *, floor: bool = False) -> jax.Array:
+  r"""The float32 array of the parameter's shape that ``stored`` represents.
+
+  Args:
+    fmt: a format name or :class:`StateFormat`.
+    stored: what :func:`encode` returned.
+    floor: for a non-negative array that is a denominator (Adam's
+      second moment ``nu``). An 8-bit code 0 in a block with maximum
+      :math:`s` stands for any value in :math:`[0, s (1/Q)^p / 2]` (the
+      values nearer to 0 than to the smallest non-zero level); with
+      ``floor`` it decodes to the upper end of that interval,
+      :math:`s (1/Q)^p / 2`, instead of 0, so that no entry decodes below
+      half the value it stored (code 1 holds up to :math:`2.5 s / Q^2` for
+      ``p = 2``), and none to 0 unless its block is all 0. Float formats
+      are unaffected. Why: ``nu`` spans the square of the gradient's
+      range, so an entry of ``nu`` rounds to 0 (below
+      :math:`7.7 \cdot 10^{-6} s` for ``"uint8"``, ``p = 2``) long before
+      the matching entry of ``mu`` does (below :math:`3.1 \cdot 10^{-5}`
+      of its block's maximum, ``"int8"``), and Adam's
+      :math:`\hat m / (\sqrt{\hat v} + \epsilon)` is then
+      :math:`\hat m / \epsilon`: measured up to :math:`10^5` times the
+      float32 update on one block of 256 entries.
+
+  Returns:
+    The float32 array.
+  """
   fmt = state_format(fmt)
   if fmt.blocked:
-    return _decode_blocked(fmt, stored)
+    _check_blocks_in_shards(fmt, stored.codes, "an array")
+    return _decode_blocked(fmt, stored, floor)
   return stored.astype(jnp.float32)
 
 
@@ -320,23 +410,42 @@ def tree_init(fmt: FormatLike, params: Any) -> Any:
   """Zeros for every leaf of ``params``; ``Quantized(codes, scale)`` trees
   for the 8-bit formats (built by tree maps over ``params``, so
   ``optax.tree.map_params`` finds both trees).
+
+  Raises:
+    ValueError: for an 8-bit format, if a leaf is sharded along its last
+      axis in shards whose width the block size does not divide (e.g. a
+      ``(64, 768)`` leaf over 8 devices, 96 entries per shard, in blocks of
+      256): the error names the leaf, its sharding and the block size.
+      Checked on arrays and ShapeDtypeStructs (Auto and Explicit meshes)
+      and on traced leaves of Explicit meshes; a traced leaf of an Auto
+      mesh carries no sharding to check.
   """
   fmt = state_format(fmt)
   if not fmt.blocked:
     return jax.tree.map(lambda p: init(fmt, p), params)
+  jax.tree_util.tree_map_with_path(
+    lambda path, p: _check_blocks_in_shards(
+      fmt, p, f"leaf {jax.tree_util.keystr(path) or '<root>'}"
+    ),
+    params,
+  )
   return Quantized(
     jax.tree.map(lambda p: init(fmt, p).codes, params),
     jax.tree.map(lambda p: init(fmt, p).scale, params),
   )
 
 
-def tree_decode(fmt: FormatLike, stored: Any) -> Any:
-  """Float32 tree (the parameters' structure) of a :func:`tree_init` form."""
+def tree_decode(fmt: FormatLike, stored: Any, *, floor: bool = False) -> Any:
+  """Float32 tree (the parameters' structure) of a :func:`tree_init` form
+  (``floor``: see :func:`decode`).
+  """
   fmt = state_format(fmt)
   if not fmt.blocked:
     return jax.tree.map(lambda s: decode(fmt, s), stored)
   return jax.tree.map(
-    lambda c, s: decode(fmt, Quantized(c, s)), stored.codes, stored.scale
+    lambda c, s: decode(fmt, Quantized(c, s), floor=floor),
+    stored.codes,
+    stored.scale,
   )
 
 
