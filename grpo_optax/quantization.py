@@ -406,6 +406,16 @@ def decode(fmt: FormatLike, stored: Any, *, floor: bool = False) -> jax.Array:
 # Whole trees (what a transform's state holds).
 
 
+def _check_tree(fmt: StateFormat, tree: Any) -> None:
+  """:func:`_check_blocks_in_shards` on every leaf, named by its path."""
+  jax.tree_util.tree_map_with_path(
+    lambda path, x: _check_blocks_in_shards(
+      fmt, x, f"leaf {jax.tree_util.keystr(path) or '<root>'}"
+    ),
+    tree,
+  )
+
+
 def tree_init(fmt: FormatLike, params: Any) -> Any:
   """Zeros for every leaf of ``params``; ``Quantized(codes, scale)`` trees
   for the 8-bit formats (built by tree maps over ``params``, so
@@ -423,12 +433,7 @@ def tree_init(fmt: FormatLike, params: Any) -> Any:
   fmt = state_format(fmt)
   if not fmt.blocked:
     return jax.tree.map(lambda p: init(fmt, p), params)
-  jax.tree_util.tree_map_with_path(
-    lambda path, p: _check_blocks_in_shards(
-      fmt, p, f"leaf {jax.tree_util.keystr(path) or '<root>'}"
-    ),
-    params,
-  )
+  _check_tree(fmt, params)
   return Quantized(
     jax.tree.map(lambda p: init(fmt, p).codes, params),
     jax.tree.map(lambda p: init(fmt, p).scale, params),
@@ -442,6 +447,7 @@ def tree_decode(fmt: FormatLike, stored: Any, *, floor: bool = False) -> Any:
   fmt = state_format(fmt)
   if not fmt.blocked:
     return jax.tree.map(lambda s: decode(fmt, s), stored)
+  _check_tree(fmt, stored.codes)
   return jax.tree.map(
     lambda c, s: decode(fmt, Quantized(c, s), floor=floor),
     stored.codes,
@@ -467,6 +473,8 @@ def tree_encode(
       f"format {fmt.name!r} rounds stochastically: `key` "
       "must be a PRNG key, got None."
     )
+  if fmt.blocked:
+    _check_tree(fmt, tree)
   stored = [encode(fmt, x, key=k) for x, k in zip(leaves, keys)]
   if not fmt.blocked:
     return treedef.unflatten(stored)

@@ -104,12 +104,11 @@ def _digits_big_steps(steps, lr, **kw):
 
 
 def test_digits_mlp_no_step_above_10x_lr():
-  # Before the floor: 8,000+ such entry-steps in 500 steps (the first at
-  # step 1), max 4.2 = 1,400 lr; the first-layer weights grew to 40.
+  # float32 state: no entry-step above 10 lr (max 3.3 lr over 500 steps);
+  # 8-bit before the floor: 6,187 in these 40 steps (the first at step 1),
+  # up to 1,400 lr; over 500 steps the first-layer weights grew to 40.
   lr = 3e-3
-  big32, top32 = _digits_big_steps(60, lr, sparsify=None)
-  assert big32 == 0 and top32 < 5 * lr
-  big8, top8 = _digits_big_steps(60, lr, sparsify=None, **EIGHT_BIT)
+  big8, top8 = _digits_big_steps(40, lr, sparsify=None, **EIGHT_BIT)
   assert big8 == 0, (big8, top8 / lr)
 
 
@@ -158,10 +157,18 @@ def test_blocks_across_shards_are_refused_at_init(kind, fused):
   msg = str(err.value)
   assert "96 entries per shard" in msg and "256" in msg
   assert "PartitionSpec(None, 'x')" in msg or "P(None, 'x')" in msg
-  # Under jit, an Explicit mesh's types carry the sharding: refused too.
+  # Under jit, an Explicit mesh's types carry the sharding: refused too,
+  # at init and at update (a state built from unsharded params), where the
+  # reshape raised a ShardingTypeError.
   if kind == AxisType.Explicit:
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="96 entries"):
       jax.jit(tx.init)(params)
+    state = tx.init({"w": jnp.ones((64, 768)), "b": jnp.ones(10)})
+    with (
+      jax.set_mesh(mesh),
+      pytest.raises(ValueError, match=r"leaf \['w'\].*96 entries"),
+    ):
+      jax.jit(tx.update)(params, state, params)
 
 
 @pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
