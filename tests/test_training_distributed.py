@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import grpo_optax
+from grpo_optax import hlo
 from grpo_optax import training
 from grpo_optax.training import compression
 from grpo_optax.training import distributed
@@ -414,6 +415,96 @@ def test_collective_bytes_counts_async_pairs_once():
   assert traffic["all-reduce"] == pytest.approx(2 * 1 / 2 * 416)
   assert traffic["reduce-scatter"] == pytest.approx(7 * 20)
   assert traffic["total"] == pytest.approx(960 + 416 + 140 + 16)
+
+
+# One all-reduce of f32[256] (1,024 B) per line, in each form of
+# replica_groups that XLA (jax 0.10.2) prints, on a 2x4 mesh of 8 devices.
+_GROUP_FORMS = {
+  "explicit lists": ("replica_groups={{0,4},{1,5},{2,6},{3,7}}", 2),
+  "explicit lists of 4": ("replica_groups={{0,1,2,3},{4,5,6,7}}", 4),
+  "empty list (all)": ("replica_groups={}", 8),
+  "iota": ("replica_groups=[2,4]<=[8]", 4),
+  "iota of pairs": ("replica_groups=[4,2]<=[8]", 2),
+  "transposed iota": ("replica_groups=[4,2]<=[2,4]T(1,0)", 2),
+  "transposed 3-d iota": ("replica_groups=[4,2]<=[2,2,2]T(0,2,1)", 2),
+  "mesh": ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", 2),
+  "mesh, other axis": (
+    "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}",
+    4,
+  ),
+  "mesh, unit axis": (
+    "replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4] {'axis_0'}",
+    2,
+  ),
+  "mesh, two axes": (
+    "replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2] {'axis_0','axis_2'}",
+    4,
+  ),
+  "mesh with device_ids": (
+    "replica_groups=mesh['axis_0'=8,'axis_1'=1], "
+    "device_ids=([2,4]T(1,0)) {'axis_0'}",
+    8,
+  ),
+  "mesh, sub-axis": (
+    "replica_groups=mesh['axis_0'=4,'axis_1'=2], "
+    "device_ids=([2,2,2]T(0,2,1)) {'axis_0':(2)2}",
+    2,
+  ),
+}
+
+
+@pytest.mark.parametrize("form", list(_GROUP_FORMS))
+def test_group_size_of_every_replica_groups_form(form):
+  groups, size = _GROUP_FORMS[form]
+  text = (
+    "HloModule m, num_partitions=8\n"
+    "ROOT %all-reduce = f32[256]{0} all-reduce(%bitcast), channel_id=1, "
+    f"{groups}, use_global_device_ids=true, to_apply=%region_0.0.clone"
+  )
+  assert training.collective_ops(text) == [("all-reduce", 1024, size)]
+  assert training.ring_traffic(text)["total"] == pytest.approx(
+    2 * (size - 1) / size * 1024
+  )
+  assert hlo.group_size(groups, 8) == size
+
+
+def test_group_size_of_an_async_mesh_form_all_gather():
+  text = (
+    "HloModule m, num_partitions=8\n"
+    "%ag = (f32[32]{0}, f32[64]{0}) all-gather-start(%x), channel_id=2, "
+    "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, dimensions={0}\n"
+    "%d = f32[64]{0} all-gather-done((f32[32]{0}, f32[64]{0}) %ag)"
+  )
+  assert training.collective_ops(text) == [("all-gather", 256, 2)]
+
+
+def test_ring_traffic_of_a_compiled_all_reduce_over_one_axis_of_a_2x4_mesh():
+  # XLA's partitioner prints this all-reduce in the mesh form,
+  # replica_groups=mesh['axis_0'=2,...] {'axis_0'}: 2 devices per group, so
+  # 2 (2-1)/2 * 1,024 B = 1,024 B sent (not 2 (8-1)/8 * 1,024 = 1,792 B).
+  mesh = _mesh(8, ("data", "model"), (2, 4))
+  x = jax.device_put(
+    np.ones((2, 256), np.float32), jax.NamedSharding(mesh, P("data", None))
+  )
+  f = jax.jit(
+    lambda x: jnp.sum(x, 0), out_shardings=jax.NamedSharding(mesh, P())
+  )
+  compiled = f.lower(x).compile()
+  assert "replica_groups=mesh[" in compiled.as_text()
+  assert training.collective_ops(compiled) == [("all-reduce", 1024, 2)]
+  assert training.ring_traffic(compiled)["total"] == 1024
+  # The same reduction written with shard_map (explicit lists).
+  g = jax.jit(
+    jax.shard_map(
+      lambda x: jax.lax.psum(x, "data"),
+      mesh=mesh,
+      in_specs=P("data", None),
+      out_specs=P(None, None),
+    )
+  )
+  compiled = g.lower(x).compile()
+  assert training.collective_ops(compiled) == [("all-reduce", 1024, 2)]
+  np.testing.assert_array_equal(f(x), 2.0)
 
 
 @pytest.mark.parametrize(
