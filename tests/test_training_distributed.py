@@ -318,6 +318,29 @@ def test_sharded_jax_array_batch_is_accepted_as_is():
   )
 
 
+@pytest.mark.parametrize("exchange", ["dense", "all_gather"])
+def test_one_device_mesh_accepts_jax_array_batches(exchange):
+  # jax.make_mesh((1,), ("data",)) on one device (the default CPU set-up):
+  # a jax.Array on that device has a sharding *equivalent* to the mesh's,
+  # and the Explicit mesh's shard_map still needs the spec P("data").
+  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+  dp = training.data_parallel_step(
+    _loss, optax.sgd(0.1), mesh, exchange=exchange, fraction=1.0
+  )
+  x, y = _batches(1)[0]
+  batch = (jnp.asarray(x), jnp.asarray(y))
+  assert batch[0].sharding.is_equivalent_to(dp._batch_sharding, 2)  # pylint: disable=protected-access
+  state, loss = dp.step(dp.init(_params()), batch)
+  np.testing.assert_allclose(
+    float(loss), float(_loss(_params(), (x, y))), rtol=1e-5
+  )
+  want = jax.tree.map(
+    lambda p, g: p - 0.1 * g, _params(), jax.grad(_loss)(_params(), (x, y))
+  )
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_sparse_pmean_in_a_users_own_shard_map():
   mesh = _mesh()
   g = np.random.default_rng(3).normal(size=(W, 40)).astype(np.float32)

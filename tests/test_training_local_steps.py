@@ -51,15 +51,15 @@ def _np_grads(p, x, y):
   return {"w": x.T @ r, "b": r.sum(0)}
 
 
-def _np_rounds(batches, masks, lr, outer_lr, mu):
+def _np_rounds(batches, masks, lr, outer_lr, mu, w=W):
   """NumPy DiLoCo: inner SGD, outer Nesterov SGD, masked mean."""
   theta = {k: v.astype(np.float64) for k, v in _params().items()}
   trace = {k: np.zeros_like(v) for k, v in theta.items()}
   for (xs, ys), mask in zip(batches, masks):
     deltas = []
-    for i in range(W):
+    for i in range(w):
       p = dict(theta)
-      sl = slice(i * B // W, (i + 1) * B // W)
+      sl = slice(i * B // w, (i + 1) * B // w)
       for h in range(len(xs)):
         g = _np_grads(p, xs[h][sl], ys[h][sl])
         p = {k: p[k] - lr * g[k] for k in p}
@@ -122,6 +122,24 @@ def test_one_local_step_with_outer_sgd_one_is_data_parallel():
       state.params[k], dstate.params[k], rtol=1e-6, atol=1e-7
     )
   np.testing.assert_allclose(losses, dlosses, rtol=1e-6)
+
+
+def test_one_device_mesh_accepts_jax_array_batches_and_mask():
+  # jax.make_mesh((1,), ("data",)) on one device (the default CPU set-up):
+  # jax.Array inputs there have a sharding equivalent to the mesh's, and the
+  # Explicit mesh's shard_map still needs their specs.
+  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+  ls = training.local_steps_step(_loss, optax.sgd(0.05), mesh, local_steps=H)
+  x, y = _batches(1)[0]
+  state = ls.init(_params())
+  state, _ = ls.round(
+    state, (jnp.asarray(x), jnp.asarray(y)), jnp.ones(1, jnp.float32)
+  )
+  want = _np_rounds([(x, y)], [np.ones(1, np.float32)], 0.05, 0.7, 0.9, w=1)
+  for k in want:
+    np.testing.assert_allclose(
+      np.asarray(state.params[k]), want[k], rtol=2e-5, atol=2e-6
+    )
 
 
 def test_missing_replica_keeps_its_inner_state_and_rejoins():

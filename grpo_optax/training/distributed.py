@@ -129,9 +129,16 @@ def _to_global(x: Any, sharding: NamedSharding) -> Any:
   if isinstance(x, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
   if isinstance(x, jax.Array):
-    if x.sharding.is_equivalent_to(sharding, x.ndim):
+    if x.sharding == sharding:
       return x
-    if jax.process_count() == 1 or not x.is_fully_addressable:
+    # An equivalent sharding (the same devices and shards, e.g. one device's
+    # SingleDeviceSharding on a 1-device mesh) is still put: on an Explicit
+    # mesh the spec is part of the array's type, and shard_map checks it.
+    if (
+      jax.process_count() == 1
+      or not x.is_fully_addressable
+      or x.sharding.is_equivalent_to(sharding, x.ndim)
+    ):
       return jax.device_put(x, sharding)
   if jax.process_count() == 1:
     return jax.device_put(x, sharding)
