@@ -341,6 +341,21 @@ def test_one_device_mesh_accepts_jax_array_batches(exchange):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("exchange", ["dense", "shared_support"])
+def test_donated_step_leaves_the_callers_params_alive(exchange):
+  dp = training.data_parallel_step(
+    _loss, optax.sgd(0.1), _mesh(), exchange=exchange
+  )
+  mine = jax.device_put(_params(), jax.NamedSharding(_mesh(), P()))
+  state = dp.init(mine)
+  for batch in _batches(2):
+    state, _ = dp.step(state, batch)
+  for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(_params())):
+    assert not a.is_deleted()
+    np.testing.assert_array_equal(a, b)
+  assert not np.allclose(state.params["w1"], mine["w1"])
+
+
 def test_sparse_pmean_in_a_users_own_shard_map():
   mesh = _mesh()
   g = np.random.default_rng(3).normal(size=(W, 40)).astype(np.float32)

@@ -142,6 +142,17 @@ def test_one_device_mesh_accepts_jax_array_batches_and_mask():
     )
 
 
+def test_donated_round_leaves_the_callers_params_alive():
+  ls = training.local_steps_step(_loss, optax.sgd(0.05), _mesh(), local_steps=H)
+  mine = jax.device_put(_params(), jax.NamedSharding(_mesh(), P()))
+  state = ls.init(mine)
+  state, _ = ls.round(state, _batches(1)[0])
+  for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(_params())):
+    assert not a.is_deleted()
+    np.testing.assert_array_equal(a, b)
+  assert not np.allclose(state.params["w"], mine["w"])
+
+
 def test_missing_replica_keeps_its_inner_state_and_rejoins():
   ls = training.local_steps_step(
     _loss, optax.adam(0.01), _mesh(), local_steps=H, donate=False

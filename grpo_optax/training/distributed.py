@@ -151,6 +151,24 @@ def _to_global(x: Any, sharding: NamedSharding) -> Any:
   return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
+def _own(given: Any, shardings: Any, donate: bool) -> Any:
+  """``given`` placed with ``shardings``, in buffers the caller does not hold.
+
+  A donated step deletes the buffers of its state; a ``jax.Array`` that
+  :func:`_to_global` kept (already laid out so) or re-wrapped (an equivalent
+  sharding) is therefore copied, in one jitted program, so that the
+  caller's arrays stay alive. NumPy values are placed into new buffers
+  anyway.
+  """
+  placed = jax.tree.map(_to_global, given, shardings)
+  if not donate or not any(
+    isinstance(x, jax.Array) for x in jax.tree.leaves(given)
+  ):
+    return placed
+  copy = lambda t: jax.tree.map(jnp.copy, t)
+  return jax.jit(copy, out_shardings=shardings)(placed)
+
+
 class DataParallelStep:
   """A jitted, donated data-parallel train step over a mesh.
 
@@ -269,13 +287,17 @@ class DataParallelStep:
     other leaf is replicated. The step gathers such a leaf for the
     gradient and applies ``tx`` to the shards.
 
+    The state owns its arrays: ``jax.Array`` leaves of ``params`` are
+    copied (once, here), so the donated :meth:`step` never deletes the
+    caller's ``params``.
+
     Raises:
       ValueError: if a leaf of ``params`` is sharded over ``axis`` (the
         exchange's, whose replicas each hold the whole parameters) or over
         an axis this mesh lacks.
     """
     shardings = jax.tree.map(self._param_sharding, params)
-    params = jax.tree.map(_to_global, params, shardings)
+    params = _own(params, shardings, self._donate)
     if all(s.is_fully_replicated for s in jax.tree.leaves(shardings)):
       state_shardings = self._replicated
     else:  # optax's recipe: param-shaped state leaves as their params

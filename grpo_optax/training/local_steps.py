@@ -502,18 +502,25 @@ class LocalSteps:
       in_specs=(specs, P(None, axis), P(axis)),
       out_specs=(specs, P()),
     )
+    self._donate = donate
     self._round = jax.jit(mapped, donate_argnums=(0,) if donate else ())
 
   # -- state and data -------------------------------------------------------
 
   def init(self, params: Any) -> LocalStepsState:
-    """Replicates ``params``, initialises both optimizers (and zero unsent).""
+    """Replicates ``params``, initialises both optimizers (and zero unsent).
 
     ``params`` must be the same on every process (e.g. from the same seed).
-    Every replica's inner state starts as ``tx.init(params)``.
+    Every replica's inner state starts as ``tx.init(params)``. The state
+    owns its arrays: ``jax.Array`` leaves of ``params`` are copied (once,
+    here), so the donated :meth:`round` never deletes the caller's
+    ``params``.
     """
-    to_global = distributed._to_global  # pylint: disable=protected-access
-    params = jax.tree.map(lambda x: to_global(x, self._replicated), params)
+    params = distributed._own(  # pylint: disable=protected-access
+      params,
+      jax.tree.map(lambda _: self._replicated, params),
+      self._donate,
+    )
     outer = jax.jit(self.outer_tx.init, out_shardings=self._replicated)(params)
     w = self.num_replicas
 
