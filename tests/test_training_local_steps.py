@@ -196,6 +196,39 @@ def test_round_nobody_reports_changes_nothing_outer():
   assert int(after.round) == 2
 
 
+def test_absent_replicas_keep_their_unsent_progress():
+  # Error feedback: what the compressed exchange did not send stays with
+  # the replica (its next start subtracts it). A replica that does not
+  # report, or a round nobody reports, must not drop it.
+  ls = training.local_steps_step(
+    _loss,
+    optax.sgd(0.1),
+    _mesh(),
+    local_steps=H,
+    exchange="shared_support",
+    fraction=0.3,
+    chunk_size=2,
+    donate=False,
+  )
+  first, second, third = _batches(3)
+  state1, _ = ls.round(ls.init(_params()), first)
+  unsent1 = jax.tree.map(np.asarray, state1.unsent)
+  assert all(np.abs(x).max() > 0 for x in jax.tree.leaves(unsent1))
+  # Nobody reports: params, outer state and every residual unchanged.
+  state2, _ = ls.round(state1, second, np.zeros(W, np.float32))
+  np.testing.assert_array_equal(state2.params["w"], state1.params["w"])
+  for a, b in zip(jax.tree.leaves(state2.unsent), jax.tree.leaves(unsent1)):
+    np.testing.assert_array_equal(a, b)
+  # Replicas 2 and 5 miss a round: they keep their residuals; the others'
+  # change.
+  mask = np.ones(W, np.float32)
+  mask[[2, 5]] = 0
+  state3, _ = ls.round(state2, third, mask)
+  for a, b in zip(jax.tree.leaves(state3.unsent), jax.tree.leaves(unsent1)):
+    np.testing.assert_array_equal(np.asarray(a)[[2, 5]], b[[2, 5]])
+    assert not np.allclose(np.asarray(a)[0], b[0])
+
+
 @pytest.mark.parametrize(
   "exchange, quantize",
   [
