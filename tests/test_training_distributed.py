@@ -625,6 +625,10 @@ _DGC = {
   "warmup_steps": 1,
   "chunk_size": 16,
 }
+#: Steps of the DGC run: after the warm-up (5, 2, then 1 of the 20 chunks a
+#: step, chosen in leaf order at first) every entry of every leaf has moved
+#: by step 16 (w2, the last leaf, first moves at step 10).
+_DGC_STEPS = 16
 
 
 @pytest.mark.slow
@@ -649,6 +653,8 @@ def test_two_processes_with_dgc_give_the_eight_device_params(tmp_path):
     "shared_support",
     "--fraction",
     "0.05",
+    "--steps",
+    str(_DGC_STEPS),
     "--options",
     json.dumps(_DGC),
   ]
@@ -659,7 +665,12 @@ def test_two_processes_with_dgc_give_the_eight_device_params(tmp_path):
   assert done.returncode == 0, done.stdout + done.stderr
   assert "[1] process 1 of 2: 8 devices, done" in done.stdout
   got = dict(np.load(out))
-  want = dp_worker.train(_mesh(8), "shared_support", 0.05, **_DGC)
+  want = dp_worker.train(
+    _mesh(8), "shared_support", 0.05, steps=_DGC_STEPS, **_DGC
+  )
+  assert got.keys() == want.keys() == {"w1", "b1", "w2"}
+  init = dp_worker.init_params()
   for k in want:
+    # Every entry of every leaf has moved, so the comparison covers them all.
+    assert np.all(want[k] != init[k]), k
     np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0)
-  assert not np.allclose(want["w1"], dp_worker.init_params()["w1"])
