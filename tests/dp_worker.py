@@ -2,7 +2,7 @@
 
 ``python tests/dp_worker.py --out FILE --exchange E`` with the distributed
 flags of ``examples.launch_multiprocess`` trains :func:`mlp_loss` for
-:data:`STEPS` steps on a mesh of every device of every process and writes the
+:data:`STEPS` steps (``--steps``) on a mesh of every device of every process and writes the
 final parameters (process 0) to ``FILE`` (``.npz``).
 """
 
@@ -27,14 +27,16 @@ def init_params(seed: int = 0) -> dict[str, np.ndarray]:
   }
 
 
-def batches(seed: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+def batches(
+  seed: int = 1, steps: int = STEPS
+) -> list[tuple[np.ndarray, np.ndarray]]:
   rng = np.random.default_rng(seed)
   return [
     (
       rng.normal(size=(GLOBAL_BATCH, 6)).astype(np.float32),
       rng.normal(size=(GLOBAL_BATCH, 3)).astype(np.float32),
     )
-    for _ in range(STEPS)
+    for _ in range(steps)
   ]
 
 
@@ -46,9 +48,11 @@ def mlp_loss(params, batch):
   return jnp.mean((h @ params["w2"] - y) ** 2)
 
 
-def train(mesh, exchange: str, fraction: float = 0.3, **options):
-  """Final params (as NumPy) of STEPS steps of Adam with ``exchange`` and
-  the exchange's ``options`` (``sparse_pmean`` keywords).
+def train(
+  mesh, exchange: str, fraction: float = 0.3, steps: int = STEPS, **options
+):
+  """Final params (as NumPy) of ``steps`` steps of Adam with ``exchange``
+  and the exchange's ``options`` (``sparse_pmean`` keywords).
   """
   import jax  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
@@ -64,7 +68,7 @@ def train(mesh, exchange: str, fraction: float = 0.3, **options):
     **options,
   )
   state = dp.init(init_params())
-  for batch in batches():
+  for batch in batches(steps=steps):
     state, _ = dp.step(state, batch)
   return {
     k: np.asarray(v.addressable_data(0))
@@ -77,6 +81,7 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--out", required=True)
   parser.add_argument("--exchange", default="all_gather")
   parser.add_argument("--fraction", type=float, default=0.3)
+  parser.add_argument("--steps", type=int, default=STEPS)
   parser.add_argument(
     "--options", default="{}", help="The exchange's options as JSON."
   )
@@ -94,7 +99,13 @@ def main(argv: list[str]) -> int:
     process_id=args.process_id,
   )
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  params = train(mesh, args.exchange, args.fraction, **json.loads(args.options))
+  params = train(
+    mesh,
+    args.exchange,
+    args.fraction,
+    args.steps,
+    **json.loads(args.options),
+  )
   if jax.process_index() == 0:
     np.savez(args.out, **params)
   print(

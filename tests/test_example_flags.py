@@ -119,7 +119,9 @@ def test_benchmark_configs_parse_to_the_named_exchange(task, name):
     k: want[k] for k in ("values", "indices", "support", "rank", "warmup_steps")
   }
   assert replicas.keeps_state == (
-    want["warmup_steps"] > 0 or want["support"] == "replicated"
+    want["warmup_steps"] > 0
+    or want["support"] == "replicated"
+    or want["exchange"] == "powersgd"
   )
   info = replicas.describe()
   for key in ("values", "indices", "support", "rank", "warmup_steps"):
@@ -132,7 +134,9 @@ def test_unset_flags_keep_the_defaults(task):
     args = MAINS[task].parse_args(["--data-parallel", "--exchange", exchange])
     assert parallel.exchange_kwargs(args) == {**DEFAULTS, "exchange": exchange}
     replicas = parallel.make_replicas(args)
-    assert replicas is not None and not replicas.keeps_state
+    assert replicas is not None
+    # Only PowerSGD keeps state by default: its warm-started Q.
+    assert replicas.keeps_state == (exchange == "powersgd")
     assert set(replicas.describe()) == {
       "replicas",
       "processes",

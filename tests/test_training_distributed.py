@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import grpo_optax
+from grpo_optax import hlo
 from grpo_optax import training
 from grpo_optax.training import compression
 from grpo_optax.training import distributed
@@ -317,6 +318,44 @@ def test_sharded_jax_array_batch_is_accepted_as_is():
   )
 
 
+@pytest.mark.parametrize("exchange", ["dense", "all_gather"])
+def test_one_device_mesh_accepts_jax_array_batches(exchange):
+  # jax.make_mesh((1,), ("data",)) on one device (the default CPU set-up):
+  # a jax.Array on that device has a sharding *equivalent* to the mesh's,
+  # and the Explicit mesh's shard_map still needs the spec P("data").
+  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+  dp = training.data_parallel_step(
+    _loss, optax.sgd(0.1), mesh, exchange=exchange, fraction=1.0
+  )
+  x, y = _batches(1)[0]
+  batch = (jnp.asarray(x), jnp.asarray(y))
+  assert batch[0].sharding.is_equivalent_to(dp._batch_sharding, 2)  # pylint: disable=protected-access
+  state, loss = dp.step(dp.init(_params()), batch)
+  np.testing.assert_allclose(
+    float(loss), float(_loss(_params(), (x, y))), rtol=1e-5
+  )
+  want = jax.tree.map(
+    lambda p, g: p - 0.1 * g, _params(), jax.grad(_loss)(_params(), (x, y))
+  )
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("exchange", ["dense", "shared_support"])
+def test_donated_step_leaves_the_callers_params_alive(exchange):
+  dp = training.data_parallel_step(
+    _loss, optax.sgd(0.1), _mesh(), exchange=exchange
+  )
+  mine = jax.device_put(_params(), jax.NamedSharding(_mesh(), P()))
+  state = dp.init(mine)
+  for batch in _batches(2):
+    state, _ = dp.step(state, batch)
+  for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(_params())):
+    assert not a.is_deleted()
+    np.testing.assert_array_equal(a, b)
+  assert not np.allclose(state.params["w1"], mine["w1"])
+
+
 def test_sparse_pmean_in_a_users_own_shard_map():
   mesh = _mesh()
   g = np.random.default_rng(3).normal(size=(W, 40)).astype(np.float32)
@@ -416,6 +455,96 @@ def test_collective_bytes_counts_async_pairs_once():
   assert traffic["total"] == pytest.approx(960 + 416 + 140 + 16)
 
 
+# One all-reduce of f32[256] (1,024 B) per line, in each form of
+# replica_groups that XLA (jax 0.10.2) prints, on a 2x4 mesh of 8 devices.
+_GROUP_FORMS = {
+  "explicit lists": ("replica_groups={{0,4},{1,5},{2,6},{3,7}}", 2),
+  "explicit lists of 4": ("replica_groups={{0,1,2,3},{4,5,6,7}}", 4),
+  "empty list (all)": ("replica_groups={}", 8),
+  "iota": ("replica_groups=[2,4]<=[8]", 4),
+  "iota of pairs": ("replica_groups=[4,2]<=[8]", 2),
+  "transposed iota": ("replica_groups=[4,2]<=[2,4]T(1,0)", 2),
+  "transposed 3-d iota": ("replica_groups=[4,2]<=[2,2,2]T(0,2,1)", 2),
+  "mesh": ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", 2),
+  "mesh, other axis": (
+    "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}",
+    4,
+  ),
+  "mesh, unit axis": (
+    "replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4] {'axis_0'}",
+    2,
+  ),
+  "mesh, two axes": (
+    "replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2] {'axis_0','axis_2'}",
+    4,
+  ),
+  "mesh with device_ids": (
+    "replica_groups=mesh['axis_0'=8,'axis_1'=1], "
+    "device_ids=([2,4]T(1,0)) {'axis_0'}",
+    8,
+  ),
+  "mesh, sub-axis": (
+    "replica_groups=mesh['axis_0'=4,'axis_1'=2], "
+    "device_ids=([2,2,2]T(0,2,1)) {'axis_0':(2)2}",
+    2,
+  ),
+}
+
+
+@pytest.mark.parametrize("form", list(_GROUP_FORMS))
+def test_group_size_of_every_replica_groups_form(form):
+  groups, size = _GROUP_FORMS[form]
+  text = (
+    "HloModule m, num_partitions=8\n"
+    "ROOT %all-reduce = f32[256]{0} all-reduce(%bitcast), channel_id=1, "
+    f"{groups}, use_global_device_ids=true, to_apply=%region_0.0.clone"
+  )
+  assert training.collective_ops(text) == [("all-reduce", 1024, size)]
+  assert training.ring_traffic(text)["total"] == pytest.approx(
+    2 * (size - 1) / size * 1024
+  )
+  assert hlo.group_size(groups, 8) == size
+
+
+def test_group_size_of_an_async_mesh_form_all_gather():
+  text = (
+    "HloModule m, num_partitions=8\n"
+    "%ag = (f32[32]{0}, f32[64]{0}) all-gather-start(%x), channel_id=2, "
+    "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, dimensions={0}\n"
+    "%d = f32[64]{0} all-gather-done((f32[32]{0}, f32[64]{0}) %ag)"
+  )
+  assert training.collective_ops(text) == [("all-gather", 256, 2)]
+
+
+def test_ring_traffic_of_a_compiled_all_reduce_over_one_axis_of_a_2x4_mesh():
+  # XLA's partitioner prints this all-reduce in the mesh form,
+  # replica_groups=mesh['axis_0'=2,...] {'axis_0'}: 2 devices per group, so
+  # 2 (2-1)/2 * 1,024 B = 1,024 B sent (not 2 (8-1)/8 * 1,024 = 1,792 B).
+  mesh = _mesh(8, ("data", "model"), (2, 4))
+  x = jax.device_put(
+    np.ones((2, 256), np.float32), jax.NamedSharding(mesh, P("data", None))
+  )
+  f = jax.jit(
+    lambda x: jnp.sum(x, 0), out_shardings=jax.NamedSharding(mesh, P())
+  )
+  compiled = f.lower(x).compile()
+  assert "replica_groups=mesh[" in compiled.as_text()
+  assert training.collective_ops(compiled) == [("all-reduce", 1024, 2)]
+  assert training.ring_traffic(compiled)["total"] == 1024
+  # The same reduction written with shard_map (explicit lists).
+  g = jax.jit(
+    jax.shard_map(
+      lambda x: jax.lax.psum(x, "data"),
+      mesh=mesh,
+      in_specs=P("data", None),
+      out_specs=P(None, None),
+    )
+  )
+  compiled = g.lower(x).compile()
+  assert training.collective_ops(compiled) == [("all-reduce", 1024, 2)]
+  np.testing.assert_array_equal(f(x), 2.0)
+
+
 @pytest.mark.parametrize(
   "kwargs, error, match",
   [
@@ -496,6 +625,10 @@ _DGC = {
   "warmup_steps": 1,
   "chunk_size": 16,
 }
+#: Steps of the DGC run: after the warm-up (5, 2, then 1 of the 20 chunks a
+#: step, chosen in leaf order at first) every entry of every leaf has moved
+#: by step 16 (w2, the last leaf, first moves at step 10).
+_DGC_STEPS = 16
 
 
 @pytest.mark.slow
@@ -520,6 +653,8 @@ def test_two_processes_with_dgc_give_the_eight_device_params(tmp_path):
     "shared_support",
     "--fraction",
     "0.05",
+    "--steps",
+    str(_DGC_STEPS),
     "--options",
     json.dumps(_DGC),
   ]
@@ -530,7 +665,12 @@ def test_two_processes_with_dgc_give_the_eight_device_params(tmp_path):
   assert done.returncode == 0, done.stdout + done.stderr
   assert "[1] process 1 of 2: 8 devices, done" in done.stdout
   got = dict(np.load(out))
-  want = dp_worker.train(_mesh(8), "shared_support", 0.05, **_DGC)
+  want = dp_worker.train(
+    _mesh(8), "shared_support", 0.05, steps=_DGC_STEPS, **_DGC
+  )
+  assert got.keys() == want.keys() == {"w1", "b1", "w2"}
+  init = dp_worker.init_params()
   for k in want:
+    # Every entry of every leaf has moved, so the comparison covers them all.
+    assert np.all(want[k] != init[k]), k
     np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0)
-  assert not np.allclose(want["w1"], dp_worker.init_params()["w1"])

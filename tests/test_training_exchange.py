@@ -51,7 +51,14 @@ def _exchange_fn(with_residual, kw_items):
   def f(g, r):
     g = jax.tree.map(lambda x: x[0], g)
     r = None if r is None else jax.tree.map(lambda x: x[0], r)
-    mean, r = training.sparse_pmean(g, r, AXIS, **kw)
+    if kw.get("exchange") == "powersgd":  # Q lives in the state.
+      st = training.init_exchange(
+        g, exchange="powersgd", rank=kw.get("rank", 1)
+      )._replace(residual=r)
+      mean, st = training.sparse_pmean(g, st, AXIS, **kw)
+      r = st.residual
+    else:
+      mean, r = training.sparse_pmean(g, r, AXIS, **kw)
     return mean, None if r is None else jax.tree.map(lambda x: x[None], r)
 
   spec = P(AXIS) if with_residual else None
@@ -414,10 +421,9 @@ def test_powersgd_full_rank_equals_dense():
   )
   for k in g:
     np.testing.assert_allclose(mean[k], g[k].mean(0), atol=2e-5)
-    # Matrices keep their deviation from the shared approximation; the 1-D
-    # leaf is averaged densely (nothing left behind).
-    want = g[k] - g[k].mean(0) if k != "v" else 0 * g[k]
-    np.testing.assert_allclose(res[k], want, atol=2e-5)
+    # At full rank the factors are as large as the leaf: every leaf is
+    # averaged densely (nothing left behind).
+    np.testing.assert_allclose(res[k], 0 * g[k], atol=2e-5)
 
 
 def test_powersgd_rank_one_matches_numpy_and_warm_starts():
@@ -590,6 +596,54 @@ def test_dgc_step_trains_and_keeps_the_state_per_replica():
 def test_bad_exchange_arguments(kw, match):
   with pytest.raises(ValueError, match=match):
     training.sparse_pmean([jnp.ones(4)], [jnp.zeros(4)], AXIS, **kw)
+
+
+def test_powersgd_needs_its_state():
+  # No cold start from a fixed Q: PowerSGD's Q is warm-started from the
+  # ExchangeState, so a bare residual (or None) is refused.
+  for residual in ([jnp.zeros((8, 6))], None):
+    with pytest.raises(ValueError, match="keep state: pass an ExchangeState"):
+      training.sparse_pmean(
+        [jnp.ones((8, 6))], residual, AXIS, exchange="powersgd"
+      )
+
+
+def test_powersgd_sends_a_leaf_densely_unless_its_factors_are_smaller():
+  # (2, 3) at rank 2: P (2x2) and Q (3x2) are 10 floats for a 6-float leaf.
+  assert compression.powersgd_shape((2, 3), 2) is None
+  assert compression.powersgd_shape((2, 3), 1) == (2, 3, 1)  # 5 < 6
+  assert compression.powersgd_shape((4, 4), 2) is None  # 16 >= 16
+  assert compression.powersgd_shape((12, 10), 2) == (12, 10, 2)
+  params = {"a": jnp.zeros((2, 3)), "m": jnp.zeros((12, 10))}
+  st = training.init_exchange(params, exchange="powersgd", rank=2)
+  assert st.q[0] is None and st.q[1].shape == (10, 2)
+  g = {"a": _randn(W, 2, 3), "m": _randn(W, 12, 10, seed=1)}
+  mean, res = _exchange(
+    g, jax.tree.map(np.zeros_like, g), exchange="powersgd", rank=2
+  )
+  np.testing.assert_allclose(mean["a"], g["a"].mean(0), atol=1e-6)
+  np.testing.assert_array_equal(res["a"], 0 * g["a"])
+  # The compiled exchange sends the 6 floats of "a" beside P (12x2), then
+  # Q (10x2): 120 + 80 bytes in two all-reduces.
+  st = training.init_exchange(params, exchange="powersgd", rank=2)
+
+  def f(g, st):
+    st = st._replace(residual=jax.tree.map(lambda x: x[0], st.residual))
+    g = jax.tree.map(lambda x: x[0], g)
+    return training.sparse_pmean(g, st, AXIS, exchange="powersgd", rank=2)[0]
+
+  fn = jax.jit(
+    jax.shard_map(
+      f,
+      mesh=_mesh(),
+      in_specs=(P(AXIS), training.ExchangeState(P(AXIS), None, P(), None, P())),
+      out_specs=P(),
+    )
+  )
+  w = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (W,) + x.shape), t)
+  compiled = fn.lower(g, st._replace(residual=w(st.residual))).compile()
+  ops = training.collective_ops(compiled)
+  assert sorted(b for k, b, _ in ops if k == "all-reduce") == [80, 120], ops
 
 
 def test_state_must_match_the_options():

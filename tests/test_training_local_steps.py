@@ -51,15 +51,15 @@ def _np_grads(p, x, y):
   return {"w": x.T @ r, "b": r.sum(0)}
 
 
-def _np_rounds(batches, masks, lr, outer_lr, mu):
+def _np_rounds(batches, masks, lr, outer_lr, mu, w=W):
   """NumPy DiLoCo: inner SGD, outer Nesterov SGD, masked mean."""
   theta = {k: v.astype(np.float64) for k, v in _params().items()}
   trace = {k: np.zeros_like(v) for k, v in theta.items()}
   for (xs, ys), mask in zip(batches, masks):
     deltas = []
-    for i in range(W):
+    for i in range(w):
       p = dict(theta)
-      sl = slice(i * B // W, (i + 1) * B // W)
+      sl = slice(i * B // w, (i + 1) * B // w)
       for h in range(len(xs)):
         g = _np_grads(p, xs[h][sl], ys[h][sl])
         p = {k: p[k] - lr * g[k] for k in p}
@@ -124,6 +124,35 @@ def test_one_local_step_with_outer_sgd_one_is_data_parallel():
   np.testing.assert_allclose(losses, dlosses, rtol=1e-6)
 
 
+def test_one_device_mesh_accepts_jax_array_batches_and_mask():
+  # jax.make_mesh((1,), ("data",)) on one device (the default CPU set-up):
+  # jax.Array inputs there have a sharding equivalent to the mesh's, and the
+  # Explicit mesh's shard_map still needs their specs.
+  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+  ls = training.local_steps_step(_loss, optax.sgd(0.05), mesh, local_steps=H)
+  x, y = _batches(1)[0]
+  state = ls.init(_params())
+  state, _ = ls.round(
+    state, (jnp.asarray(x), jnp.asarray(y)), jnp.ones(1, jnp.float32)
+  )
+  want = _np_rounds([(x, y)], [np.ones(1, np.float32)], 0.05, 0.7, 0.9, w=1)
+  for k in want:
+    np.testing.assert_allclose(
+      np.asarray(state.params[k]), want[k], rtol=2e-5, atol=2e-6
+    )
+
+
+def test_donated_round_leaves_the_callers_params_alive():
+  ls = training.local_steps_step(_loss, optax.sgd(0.05), _mesh(), local_steps=H)
+  mine = jax.device_put(_params(), jax.NamedSharding(_mesh(), P()))
+  state = ls.init(mine)
+  state, _ = ls.round(state, _batches(1)[0])
+  for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(_params())):
+    assert not a.is_deleted()
+    np.testing.assert_array_equal(a, b)
+  assert not np.allclose(state.params["w"], mine["w"])
+
+
 def test_missing_replica_keeps_its_inner_state_and_rejoins():
   ls = training.local_steps_step(
     _loss, optax.adam(0.01), _mesh(), local_steps=H, donate=False
@@ -165,6 +194,39 @@ def test_round_nobody_reports_changes_nothing_outer():
   ):
     np.testing.assert_array_equal(a, b)
   assert int(after.round) == 2
+
+
+def test_absent_replicas_keep_their_unsent_progress():
+  # Error feedback: what the compressed exchange did not send stays with
+  # the replica (its next start subtracts it). A replica that does not
+  # report, or a round nobody reports, must not drop it.
+  ls = training.local_steps_step(
+    _loss,
+    optax.sgd(0.1),
+    _mesh(),
+    local_steps=H,
+    exchange="shared_support",
+    fraction=0.3,
+    chunk_size=2,
+    donate=False,
+  )
+  first, second, third = _batches(3)
+  state1, _ = ls.round(ls.init(_params()), first)
+  unsent1 = jax.tree.map(np.asarray, state1.unsent)
+  assert all(np.abs(x).max() > 0 for x in jax.tree.leaves(unsent1))
+  # Nobody reports: params, outer state and every residual unchanged.
+  state2, _ = ls.round(state1, second, np.zeros(W, np.float32))
+  np.testing.assert_array_equal(state2.params["w"], state1.params["w"])
+  for a, b in zip(jax.tree.leaves(state2.unsent), jax.tree.leaves(unsent1)):
+    np.testing.assert_array_equal(a, b)
+  # Replicas 2 and 5 miss a round: they keep their residuals; the others'
+  # change.
+  mask = np.ones(W, np.float32)
+  mask[[2, 5]] = 0
+  state3, _ = ls.round(state2, third, mask)
+  for a, b in zip(jax.tree.leaves(state3.unsent), jax.tree.leaves(unsent1)):
+    np.testing.assert_array_equal(np.asarray(a)[[2, 5]], b[[2, 5]])
+    assert not np.allclose(np.asarray(a)[0], b[0])
 
 
 @pytest.mark.parametrize(

@@ -27,10 +27,10 @@ The ``--exchange-*`` flags are the keyword arguments of
 ``--exchange-values``, ``--exchange-indices``, ``--exchange-support``,
 ``--exchange-rank`` and ``--exchange-warmup-steps`` name ``values``,
 ``indices``, ``support``, ``rank`` and ``warmup_steps``, with the library's
-defaults when unset. The sparsity warm-up and the replicated support keep
-state beyond the residuals (the step count, the support's statistics): the
-examples then carry a :class:`~grpo_optax.training.ExchangeState` and
-checkpoint all of it.
+defaults when unset. The sparsity warm-up, the replicated support and
+PowerSGD keep state beyond the residuals (the step count, the support's
+statistics, PowerSGD's warm-started ``Q``): the examples then carry a
+:class:`~grpo_optax.training.ExchangeState` and checkpoint all of it.
 """
 
 from __future__ import annotations
@@ -373,11 +373,10 @@ class Replicas:
   ``values``, ``indices``, ``support``, ``rank`` and ``warmup_steps`` are
   :func:`~grpo_optax.training.sparse_pmean`'s (not with ``local_steps``).
   The residual the step carries is a list of per-replica leaves, or (when
-  :attr:`keeps_state`: the sparsity warm-up, the replicated support) an
-  :class:`~grpo_optax.training.ExchangeState` holding that list, the step
-  count and the support. PowerSGD keeps no ``Q`` between steps here (a cold
-  start from a fixed ``Q`` every step, as before), unlike
-  ``data_parallel_step``'s warm start.
+  :attr:`keeps_state`: the sparsity warm-up, the replicated support,
+  PowerSGD) an :class:`~grpo_optax.training.ExchangeState` holding that
+  list, the step count, the support and PowerSGD's ``Q`` (warm-started from
+  step to step, as in ``data_parallel_step``).
   """
 
   def __init__(
@@ -432,13 +431,17 @@ class Replicas:
   def keeps_state(self) -> bool:
     """Whether the exchange keeps state beyond the residuals (an
     :class:`~grpo_optax.training.ExchangeState`: the warm-up's step count,
-    the replicated support's statistics).
+    the replicated support's statistics, PowerSGD's ``Q``).
     """
     if self.local_steps or self.exchange == "dense":
       return False
-    return bool(self.options["warmup_steps"]) or (
-      self.exchange == "shared_support"
-      and self.options["support"] == "replicated"
+    return (
+      bool(self.options["warmup_steps"])
+      or self.exchange == "powersgd"
+      or (
+        self.exchange == "shared_support"
+        and self.options["support"] == "replicated"
+      )
     )
 
   @property
@@ -764,7 +767,8 @@ def checkpoint_items(
   ``state`` ({"model", "optimizer"}: replicated, or per replica with local
   steps), ``residual`` (per replica), ``exchange`` (the rest of an
   :class:`~grpo_optax.training.ExchangeState`: the step count, the
-  replicated support) and ``outer`` (local steps).
+  replicated support, PowerSGD's ``Q`` of the leaves that have one) and
+  ``outer`` (local steps).
   """
   pure = nnx.to_pure_dict(state)
   items = {"state": {"model": pure[0], "optimizer": pure[1]}}
@@ -772,6 +776,8 @@ def checkpoint_items(
     items["exchange"] = {"count": residual.count}
     if residual.support is not None:
       items["exchange"]["support"] = list(residual.support)
+    if residual.q is not None:
+      items["exchange"]["q"] = [q for q in residual.q if q is not None]
     residual = residual.residual
   if residual is not None:
     items["residual"] = list(residual)
@@ -814,10 +820,15 @@ def place(workdir: Any, replicas: Replicas, model: nnx.Module, state: Any):
     if isinstance(residual, training.ExchangeState):
       rest = items["exchange"]
       support = rest.get("support")
+      q = residual.q
+      if q is not None:  # The saved Q's fill the leaves that have one.
+        saved = iter(rest["q"])
+        q = [None if x is None else next(saved) for x in q]
       residual = residual._replace(
         residual=list(items["residual"]),
         count=rest["count"],
         support=None if support is None else tuple(support),
+        q=q,
       )
     else:
       residual = items.get("residual")

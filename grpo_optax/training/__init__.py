@@ -11,7 +11,8 @@ and memory are spent. The steps here change the program itself:
 * :func:`frozen_train_step`: frozen leaves are never differentiated.
 * :func:`data_parallel_step`: data-parallel training over a mesh with a dense
   or sparse gradient exchange (:func:`sparse_pmean`), one device or many
-  processes; :func:`collective_bytes` reads the traffic off the program.
+  processes; :func:`collective_bytes` and :func:`ring_traffic` (from
+  :mod:`grpo_optax.hlo`) read the traffic off the program.
 * :func:`local_steps_step`: local-step (DiLoCo) data parallelism, ``H`` inner
   steps per replica and one outer exchange of the pseudo-gradient
   (:func:`outer_step`), with a per-round participation mask.
@@ -20,15 +21,17 @@ All take plain pytrees and a ``loss_fn(params, batch)``; :func:`split_model`
 turns a Flax NNX model into that form (Flax is imported only there).
 """
 
+from grpo_optax.hlo import COLLECTIVES
+from grpo_optax.hlo import collective_bytes
+from grpo_optax.hlo import collective_ops
+from grpo_optax.hlo import ring_send_bytes
+from grpo_optax.hlo import ring_traffic
 from grpo_optax.training._nnx import PureModel
 from grpo_optax.training._nnx import split_model
 from grpo_optax.training.distributed import EXCHANGES
 from grpo_optax.training.distributed import DataParallelState
 from grpo_optax.training.distributed import DataParallelStep
-from grpo_optax.training.distributed import collective_bytes
-from grpo_optax.training.distributed import collective_ops
 from grpo_optax.training.distributed import data_parallel_step
-from grpo_optax.training.distributed import ring_traffic
 from grpo_optax.training.distributed import sparse_pmean
 from grpo_optax.training.exchange import ExchangeState
 from grpo_optax.training.exchange import init_exchange
@@ -55,6 +58,7 @@ from grpo_optax.training.local_steps import outer_step
 from grpo_optax.training.local_steps import round_traffic_per_step
 
 __all__ = (
+  "COLLECTIVES",
   "DEFAULT_NONCORE_PATTERN",
   "DataParallelState",
   "DataParallelStep",
@@ -82,6 +86,7 @@ __all__ = (
   "layerwise_train_step",
   "local_steps_step",
   "outer_step",
+  "ring_send_bytes",
   "ring_traffic",
   "round_traffic_per_step",
   "sparse_pmean",

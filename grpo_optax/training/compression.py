@@ -427,16 +427,32 @@ def shared_support_mean(
 
 
 def powersgd_shape(shape: Sequence[int], rank: int):
-  """``(n, m, r)`` of a leaf's matrix view, or None (kept dense: ndim < 2)."""
+  r"""``(n, m, r)`` of a leaf's matrix view, or None (the leaf is sent dense).
+
+  A leaf of shape ``(..., m)`` is viewed as :math:`n \times m` with
+  :math:`n` the product of its other dimensions, and compressed at rank
+  :math:`r = \min(\mathrm{rank}, n, m)` only when its factors are smaller
+  than the leaf, :math:`(n + m) r < n m`: ``P`` (:math:`n r` entries) and
+  ``Q`` (:math:`m r`) are what PowerSGD sends in its place. Otherwise (and
+  for leaves of fewer than 2 dimensions, or empty ones) the leaf is averaged
+  densely, as torch's PowerSGD communication hook does for tensors below its
+  ``min_compression_rate`` (here a rate of 1: any saving compresses). A
+  ``(2, 3)`` leaf at rank 2 thus sends its 6 entries, not 4 + 6 = 10.
+  """
   if len(shape) < 2 or not math.prod(shape):
     return None
   n, m = math.prod(shape[:-1]), shape[-1]
-  return n, m, min(rank, n, m)
+  r = min(rank, n, m)
+  if (n + m) * r >= n * m:
+    return None
+  return n, m, r
 
 
 def init_powersgd(shapes: Sequence[Sequence[int]], rank: int, seed: int = 0):
   """PowerSGD's initial ``Q`` per leaf (``(m, r)`` standard normal, the same
-  on every replica), None for the leaves exchanged densely.
+  on every replica), None for the leaves exchanged densely
+  (:func:`powersgd_shape`). Every later step warm-starts from the last
+  ``Q`` (kept in :class:`~grpo_optax.training.ExchangeState`).
   """
   key = jax.random.key(seed)
   out = []
@@ -474,7 +490,8 @@ def powersgd_mean(
 ):
   r"""Rank-``r`` PowerSGD: one power iteration per step, warm-started.
 
-  Each leaf of at least 2 dimensions is viewed as :math:`M_i \in
+  Each leaf with a ``Q`` (at least 2 dimensions, and factors smaller than
+  the leaf: :func:`powersgd_shape`) is viewed as :math:`M_i \in
   \mathbb{R}^{n \times m}` (the last axis as columns); with the replicated
   :math:`Q \in \mathbb{R}^{m \times r}`:
 
@@ -486,9 +503,9 @@ def powersgd_mean(
     Q'^\top,
 
   and :math:`Q'` warm-starts the next step. Two all-reduces (the ``P``'s
-  of all leaves with the dense leaves of fewer dimensions, then the
-  ``Q``'s). At ``r = min(n, m)``, :math:`\hat P \hat P^\top` projects onto a
-  space containing the columns of the mean, so the mean is exact.
+  of all leaves with the dense leaves, those without a ``Q``, then the
+  ``Q``'s). A dense leaf's mean is exact and leaves no residual (beyond
+  bfloat16 rounding).
 
   Returns:
     ``(means, residuals, new_qs)``.

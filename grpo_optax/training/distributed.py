@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -65,21 +64,17 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from grpo_optax.hlo import COLLECTIVES  # noqa: F401  (re-exported)
+from grpo_optax.hlo import collective_bytes  # noqa: F401  (re-exported)
+from grpo_optax.hlo import collective_ops  # noqa: F401  (re-exported)
+from grpo_optax.hlo import ring_send_bytes  # noqa: F401  (re-exported)
+from grpo_optax.hlo import ring_traffic  # noqa: F401  (re-exported)
 from grpo_optax.training import exchange as exchange_lib
 from grpo_optax.training.compression import num_kept  # noqa: F401  (re-exported)
 from grpo_optax.training.exchange import EXCHANGES  # noqa: F401  (re-exported)
 from grpo_optax.training.exchange import ExchangeState
 from grpo_optax.training.exchange import init_exchange
 from grpo_optax.training.exchange import sparse_pmean
-
-#: Collective kinds reported by :func:`collective_bytes`.
-COLLECTIVES = (
-  "all-reduce",
-  "all-gather",
-  "reduce-scatter",
-  "all-to-all",
-  "collective-permute",
-)
 
 AxisName = Any  # A mesh axis name, or a tuple of them.
 
@@ -134,9 +129,16 @@ def _to_global(x: Any, sharding: NamedSharding) -> Any:
   if isinstance(x, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
   if isinstance(x, jax.Array):
-    if x.sharding.is_equivalent_to(sharding, x.ndim):
+    if x.sharding == sharding:
       return x
-    if jax.process_count() == 1 or not x.is_fully_addressable:
+    # An equivalent sharding (the same devices and shards, e.g. one device's
+    # SingleDeviceSharding on a 1-device mesh) is still put: on an Explicit
+    # mesh the spec is part of the array's type, and shard_map checks it.
+    if (
+      jax.process_count() == 1
+      or not x.is_fully_addressable
+      or x.sharding.is_equivalent_to(sharding, x.ndim)
+    ):
       return jax.device_put(x, sharding)
   if jax.process_count() == 1:
     return jax.device_put(x, sharding)
@@ -147,6 +149,24 @@ def _to_global(x: Any, sharding: NamedSharding) -> Any:
     )
   x = np.asarray(x)
   return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def _own(given: Any, shardings: Any, donate: bool) -> Any:
+  """``given`` placed with ``shardings``, in buffers the caller does not hold.
+
+  A donated step deletes the buffers of its state; a ``jax.Array`` that
+  :func:`_to_global` kept (already laid out so) or re-wrapped (an equivalent
+  sharding) is therefore copied, in one jitted program, so that the
+  caller's arrays stay alive. NumPy values are placed into new buffers
+  anyway.
+  """
+  placed = jax.tree.map(_to_global, given, shardings)
+  if not donate or not any(
+    isinstance(x, jax.Array) for x in jax.tree.leaves(given)
+  ):
+    return placed
+  copy = lambda t: jax.tree.map(jnp.copy, t)
+  return jax.jit(copy, out_shardings=shardings)(placed)
 
 
 class DataParallelStep:
@@ -267,13 +287,17 @@ class DataParallelStep:
     other leaf is replicated. The step gathers such a leaf for the
     gradient and applies ``tx`` to the shards.
 
+    The state owns its arrays: ``jax.Array`` leaves of ``params`` are
+    copied (once, here), so the donated :meth:`step` never deletes the
+    caller's ``params``.
+
     Raises:
       ValueError: if a leaf of ``params`` is sharded over ``axis`` (the
         exchange's, whose replicas each hold the whole parameters) or over
         an axis this mesh lacks.
     """
     shardings = jax.tree.map(self._param_sharding, params)
-    params = jax.tree.map(_to_global, params, shardings)
+    params = _own(params, shardings, self._donate)
     if all(s.is_fully_replicated for s in jax.tree.leaves(shardings)):
       state_shardings = self._replicated
     else:  # optax's recipe: param-shaped state leaves as their params
@@ -575,174 +599,3 @@ def data_parallel_step(
     clip_norm=clip_norm,
     warmup_steps=warmup_steps,
   )
-
-
-# -- bytes in a compiled program ---------------------------------------------
-
-_DTYPE_BYTES = {
-  "pred": 1,
-  "s4": 1,
-  "u4": 1,
-  "s8": 1,
-  "u8": 1,
-  "f8e4m3fn": 1,
-  "f8e5m2": 1,
-  "f8e4m3": 1,
-  "f8e4m3fnuz": 1,
-  "f8e5m2fnuz": 1,
-  "s16": 2,
-  "u16": 2,
-  "f16": 2,
-  "bf16": 2,
-  "s32": 4,
-  "u32": 4,
-  "f32": 4,
-  "s64": 8,
-  "u64": 8,
-  "f64": 8,
-  "c64": 8,
-  "c128": 16,
-  "token": 0,
-}
-_KINDS = "|".join(COLLECTIVES)
-_INSTR = re.compile(
-  r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s+"
-  rf"(?P<kind>{_KINDS})(?P<phase>-start|-done)?\((?P<rest>.*)$"
-)
-_OPERAND = re.compile(r"%([\w.\-]+)")
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,]*\})")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
-_PARTITIONS = re.compile(r"num_partitions=(\d+)")
-
-
-def _shape_bytes(shape: str) -> int:
-  total = 0
-  for dtype, dims in _ARRAY.findall(shape):
-    size = math.prod(int(d) for d in dims.split(",") if d)
-    total += size * _DTYPE_BYTES.get(dtype, 0)
-  return total
-
-
-def _group_size(attrs: str, default: int) -> int:
-  m = _GROUPS_IOTA.search(attrs)
-  if m:
-    return int(m.group(2))
-  m = _GROUPS_LIST.search(attrs)
-  if m and m.group(1) != "{}":
-    return len(m.group(1).strip("{}").split(","))
-  return default
-
-
-def _hlo_text(compiled: Any) -> str:
-  if isinstance(compiled, str):
-    return compiled
-  if isinstance(compiled, jax.stages.Lowered):
-    compiled = compiled.compile()
-  return compiled.as_text()
-
-
-def collective_ops(compiled: Any) -> list[tuple[str, int, int]]:
-  """The collectives of a compiled program: ``(kind, result bytes, group)``.
-
-  An asynchronous pair (``all-gather-start`` / ``all-gather-done``) is one
-  op: its bytes are the ``-done`` result's, its group the ``-start``'s
-  ``replica_groups``. Ops inside loops or called computations count once
-  (the program text is read, not executed).
-
-  Args:
-    compiled: a ``jax.stages.Compiled`` or ``Lowered`` program, or HLO text.
-
-  Returns:
-    One ``(kind, bytes, group_size)`` per collective, in program order.
-  """
-  text = _hlo_text(compiled)
-  m = _PARTITIONS.search(text)
-  default_group = int(m.group(1)) if m else 1
-  starts: dict[str, str] = {}
-  ops = []
-  for line in text.splitlines():
-    m = _INSTR.match(line)
-    if m is None:
-      continue
-    kind, phase = m.group("kind"), m.group("phase")
-    attrs = m.group("rest")
-    if phase == "-start":
-      starts[m.group("name")] = attrs
-      continue
-    if phase == "-done":
-      operand = _OPERAND.search(attrs)
-      attrs = starts.get(operand.group(1), "") if operand else ""
-    ops.append(
-      (kind, _shape_bytes(m.group("shape")), _group_size(attrs, default_group))
-    )
-  return ops
-
-
-def collective_bytes(compiled: Any) -> dict[str, int]:
-  """Result bytes of each collective kind in a compiled program's HLO.
-
-  XLA's ``cost_analysis()`` does not report communication; this reads the
-  collectives off ``compiled.as_text()``: for each of ``"all-reduce"``,
-  ``"all-gather"``, ``"reduce-scatter"``, ``"all-to-all"`` and
-  ``"collective-permute"``, the sum of the result sizes (bytes per device)
-  of its ops, counting an asynchronous start/done pair once.
-
-  Args:
-    compiled: a ``jax.stages.Compiled`` or ``Lowered`` program, or HLO text.
-
-  Returns:
-    A dict with every kind (0 when absent).
-
-  Examples:
-    >>> hlo = "\\n".join([
-    ...     "%s = (f32[10], f32[80]) all-gather-start(%x), dimensions={0}",
-    ...     "%d = f32[80]{0} all-gather-done((f32[10], f32[80]) %s)",
-    ...     "%r = f32[] all-reduce(%y), replica_groups={{0,1}}, to_apply=%add"])
-    >>> collective_bytes(hlo)
-    {'all-reduce': 4, 'all-gather': 320, 'reduce-scatter': 0, 'all-to-all': 0, 'collective-permute': 0}
-  """
-  totals: dict[str, int] = dict.fromkeys(COLLECTIVES, 0)
-  for kind, size, _ in collective_ops(compiled):
-    totals[kind] += size
-  return totals
-
-
-def ring_send_bytes(kind: str, size: float, group: int) -> float:
-  """Bytes one device sends for one collective under a ring algorithm.
-
-  For result ``size`` bytes over a group of ``group`` devices: all-reduce
-  ``2 (g-1)/g size``; all-gather and all-to-all ``(g-1)/g size``;
-  reduce-scatter ``(g-1) size``; collective-permute ``size``. This is the
-  bandwidth term of the standard ring algorithms (Patarasuk and Yuan, 2009),
-  the model behind the traffic law in the module docstring.
-  """
-  g = max(int(group), 1)
-  if kind == "all-reduce":
-    return 2 * (g - 1) / g * size
-  if kind in ("all-gather", "all-to-all"):
-    return (g - 1) / g * size
-  if kind == "reduce-scatter":
-    return (g - 1) * size
-  if kind == "collective-permute":
-    return float(size)
-  raise ValueError(f"`kind` must be one of {COLLECTIVES}, got {kind!r}.")
-
-
-def ring_traffic(compiled: Any) -> dict[str, float]:
-  """Bytes each device sends per collective kind, for ring algorithms.
-
-  Sums :func:`ring_send_bytes` over the program's collectives (each with its
-  own group size, from ``replica_groups``).
-
-  Args:
-    compiled: a ``jax.stages.Compiled`` or ``Lowered`` program, or HLO text.
-
-  Returns:
-    A dict with every kind of :data:`COLLECTIVES` and ``"total"``.
-  """
-  totals: dict[str, float] = dict.fromkeys(COLLECTIVES, 0.0)
-  for kind, size, group in collective_ops(compiled):
-    totals[kind] += ring_send_bytes(kind, size, group)
-  totals["total"] = sum(totals[k] for k in COLLECTIVES)
-  return totals

@@ -272,8 +272,7 @@ def _compress(cfg: _Config, axis_name, accs, support, q, fraction):
       accs, axis_name, fraction, cfg.chunk_size, cfg.values, support
     )
     return means, res, sent, support, q
-  if q is None:  # No state: a cold start from a fixed Q every step.
-    q = compression.init_powersgd([a.shape for a in accs], cfg.rank)
+  # q comes from the state (init_exchange), warm-started step after step.
   means, res, q = compression.powersgd_mean(
     accs, axis_name, cfg.rank, q, cfg.values
   )
@@ -420,8 +419,11 @@ def sparse_pmean(
     (``support="norms"``: all-reduced squared norms; ``"replicated"``: an
     estimate of each chunk's accumulated residual from the past aggregated
     updates, no collective); out :math:`= \frac1W \sum_i a_i[S]`, one psum.
-  * ``"powersgd"``: rank-``rank`` PowerSGD (two all-reduces); leaves of
-    fewer than 2 dimensions are averaged densely in the first.
+  * ``"powersgd"``: rank-``rank`` PowerSGD (two all-reduces), ``Q``
+    warm-started from the state (an :class:`ExchangeState` is required);
+    leaves of fewer than 2 dimensions, and leaves whose factors would not
+    be smaller than the leaf, are averaged densely in the first
+    (:func:`~grpo_optax.training.compression.powersgd_shape`).
   * ``"dense"``: out :math:`= \frac1W \sum_i a_i`, residual zero.
 
   The residual keeps :math:`a_i` minus what the receivers decode of it.
@@ -432,7 +434,7 @@ def sparse_pmean(
     residual: this replica's error-feedback residual (same structure), None
       (no error feedback), or an :class:`ExchangeState` (then the result's
       second item is the new state; needed for ``momentum``,
-      ``warmup_steps``, ``support="replicated"`` and PowerSGD's warm start).
+      ``warmup_steps``, ``support="replicated"`` and ``"powersgd"``).
     axis_name: the mesh axis (or tuple of axes) the replicas span.
     exchange: one of :data:`EXCHANGES`.
     fraction: kept fraction, in (0, 1] (after the warm-up).
@@ -485,11 +487,12 @@ def sparse_pmean(
     cfg.momentum
     or cfg.warmup_steps
     or (cfg.exchange == "shared_support" and cfg.support == "replicated")
+    or cfg.exchange == "powersgd"
   ):
     raise ValueError(
-      "`momentum`, `warmup_steps` and support='replicated' "
-      "keep state: pass an ExchangeState from init_exchange "
-      "as `residual`."
+      "`momentum`, `warmup_steps`, support='replicated' and "
+      "exchange='powersgd' (its warm-started Q) keep state: pass an "
+      "ExchangeState from init_exchange as `residual`."
     )
   state = ExchangeState(residual, None, jnp.zeros((), jnp.int32), None, None)
   means, state = _run(cfg, leaves, state, treedef, axis_name)

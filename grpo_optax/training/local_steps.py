@@ -19,9 +19,10 @@ learning rate 0.7 and momentum 0.9, as in DiLoCo. Every replica then starts
 the next round from the new :math:`\\theta` (less what it did not get sent,
 below), so a replica that missed a round rejoins from the new outer
 parameters; its inner optimizer state is the one it had before the round it
-missed (its work of that round is lost, as when a worker dies mid-round). A
-round in which no replica reports leaves :math:`\\theta` and the outer state
-as they were.
+missed (its work of that round is lost, as when a worker dies mid-round),
+and so is its error-feedback residual (what earlier rounds did not send is
+kept for a later round, not dropped). A round in which no replica reports
+leaves :math:`\\theta`, the outer state and every residual as they were.
 
 With ``outer_tx = sgd(1)`` (no momentum), ``H = 1``, every replica reporting
 and ``tx = sgd(lr)``, a round is exactly one step of synchronous data
@@ -301,6 +302,7 @@ def outer_step(
   outer_tx: optax.GradientTransformation,
   participate: Any = True,
   error_feedback: bool = True,
+  unsent: Any = None,
   exchange: str = "dense",
   fraction: float = 0.3,
   chunk_size: int = 64,
@@ -324,8 +326,10 @@ def outer_step(
   returned, and the replica starts its next round at :math:`\theta - e_i`
   instead of :math:`\theta`: it keeps the progress it has not sent, and its
   next :math:`\Delta_i` contains it again. A replica with :math:`m_i = 0`
-  sends zeros and gets :math:`e_i = 0`: it rejoins from the new
-  :math:`\theta`.
+  sends zeros; its round's work is dropped and it keeps its previous
+  residual :math:`e_i^{\mathrm{prev}}` (``unsent``; zeros when None), so
+  it rejoins from the new :math:`\theta` less the progress it has still
+  not sent. A round with :math:`K = 0` thus changes no residual.
 
   Args:
     outer_params: the outer parameters, the same on every replica.
@@ -338,6 +342,9 @@ def outer_step(
       scalar (may vary over the replicas).
     error_feedback: return :math:`e_i` (else None: what was not sent is
       dropped).
+    unsent: this replica's residual of its previous round,
+      :math:`e_i^{\mathrm{prev}}` (the one its start subtracted), kept as
+      the new :math:`e_i` when the replica does not report; None: zeros.
     exchange, fraction, chunk_size: as in :func:`sparse_pmean`.
     quantize: None (float payload) or ``"int8"`` (see
       :func:`exchange_mean`).
@@ -366,17 +373,19 @@ def outer_step(
     chunk_size=chunk_size,
     quantize=quantize,
   )
-  unsent = None
+  new_unsent = None
   if error_feedback:
-    back = jnp.where(m > 0, k / w, 0.0)
-    unsent = jax.tree.map(lambda r: (r * back).astype(r.dtype), left)
+    new_unsent = jax.tree.map(lambda r: (r * k / w).astype(r.dtype), left)
+    kept = jax.tree.map(jnp.zeros_like, left) if unsent is None else unsent
+    # A replica that does not report keeps what it has still not sent.
+    new_unsent = _where(m > 0, new_unsent, kept)
   updates, new_state = outer_tx.update(mean, outer_opt_state, outer_params)
   new_params = optax.apply_updates(outer_params, updates)
   reported = k > 0
   return (
     _where(reported, new_params, outer_params),
     _where(reported, new_state, outer_opt_state),
-    unsent,
+    new_unsent,
     k,
   )
 
@@ -502,18 +511,25 @@ class LocalSteps:
       in_specs=(specs, P(None, axis), P(axis)),
       out_specs=(specs, P()),
     )
+    self._donate = donate
     self._round = jax.jit(mapped, donate_argnums=(0,) if donate else ())
 
   # -- state and data -------------------------------------------------------
 
   def init(self, params: Any) -> LocalStepsState:
-    """Replicates ``params``, initialises both optimizers (and zero unsent).""
+    """Replicates ``params``, initialises both optimizers (and zero unsent).
 
     ``params`` must be the same on every process (e.g. from the same seed).
-    Every replica's inner state starts as ``tx.init(params)``.
+    Every replica's inner state starts as ``tx.init(params)``. The state
+    owns its arrays: ``jax.Array`` leaves of ``params`` are copied (once,
+    here), so the donated :meth:`round` never deletes the caller's
+    ``params``.
     """
-    to_global = distributed._to_global  # pylint: disable=protected-access
-    params = jax.tree.map(lambda x: to_global(x, self._replicated), params)
+    params = distributed._own(  # pylint: disable=protected-access
+      params,
+      jax.tree.map(lambda _: self._replicated, params),
+      self._donate,
+    )
     outer = jax.jit(self.outer_tx.init, out_shardings=self._replicated)(params)
     w = self.num_replicas
 
@@ -611,10 +627,15 @@ class LocalSteps:
 
   def _replica_round(self, state: LocalStepsState, batches, mask):
     inner0 = jax.tree.map(lambda x: x[0], state.inner_opt_state)
+    unsent0 = (
+      None
+      if state.unsent is None
+      else jax.tree.map(lambda x: x[0], state.unsent)
+    )
     # Varying params: each replica trains its own copy; no implicit psum.
     start = jax.lax.pcast(state.params, self.axis, to="varying")
-    if state.unsent is not None:  # Keep what the last exchange did not send.
-      start = jax.tree.map(lambda p, e: p - e[0], start, state.unsent)
+    if unsent0 is not None:  # Keep what the last exchange did not send.
+      start = jax.tree.map(lambda p, e: p - e, start, unsent0)
     local, inner, loss = self._inner(start, inner0, batches)
     m = mask[0]
     params, outer, unsent, _ = outer_step(
@@ -625,6 +646,7 @@ class LocalSteps:
       outer_tx=self.outer_tx,
       participate=m,
       error_feedback=self.error_feedback,
+      unsent=unsent0,
       exchange=self.exchange,
       fraction=self.fraction,
       chunk_size=self.chunk_size,
