@@ -2,8 +2,12 @@
 
 Nothing here is public API. Validation helpers accept Python numbers, NumPy
 scalars and concrete JAX arrays; traced values (as passed by
-``optax.inject_hyperparams`` inside ``jit``) are skipped, because their value is
-unknown at trace time and branching on them would break tracing.
+``optax.inject_hyperparams`` inside ``jit``) have their type checked but not
+their value, because it is unknown at trace time and branching on it would
+break tracing. Anything else (a string, ``None``, a bool where a number is
+expected) is refused at construction with a ``TypeError`` naming the
+argument, the expected type and the value, rather than failing later inside
+``update`` (``docs/design.md``, "Numerics and input checks").
 """
 
 from __future__ import annotations
@@ -18,9 +22,110 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+NUMBER = "a number (a Python int or float, a NumPy scalar or a scalar array)"
 
-def concrete_value(value: Any) -> float | None:
-  """Returns ``value`` as a Python float, or ``None`` if it is traced."""
+
+def _describe(value: Any) -> str:
+  """``repr(value)`` with its type, for error messages."""
+  text = repr(value)
+  if len(text) > 80:
+    text = text[:77] + "..."
+  return f"{text} ({type(value).__name__})"
+
+
+def check_number(name: str, value: Any, *, kind: str = NUMBER) -> None:
+  """Raises ``TypeError`` naming ``name`` unless ``value`` is a real number.
+
+  Accepted: Python ints and floats, NumPy scalars and 0-d arrays, and scalar
+  JAX arrays, concrete or traced (``optax.inject_hyperparams`` passes those),
+  of an integer or floating dtype. Refused: strings, ``None``, bools (a
+  keyword that switches something is a bool, never a number), complex
+  numbers, sequences and arrays of more than one entry. ``kind`` is the
+  expected type as the message words it.
+  """
+  dtype = getattr(value, "dtype", None)
+  if isinstance(value, (bool, np.bool_)) or (
+    dtype is not None and jnp.dtype(dtype) == jnp.bool_
+  ):
+    ok = False
+  elif isinstance(value, (int, float, np.integer, np.floating)):
+    ok = True
+  elif isinstance(value, (jax.Array, np.ndarray, jax.core.Tracer)):
+    ok = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(
+      dtype, jnp.floating
+    )
+    if ok and jnp.shape(value) != ():
+      raise TypeError(
+        f"{name} must be a scalar, got an array of shape "
+        f"{jnp.shape(value)}: {_describe(value)}"
+      )
+  else:
+    ok = False
+  if not ok:
+    raise TypeError(f"{name} must be {kind}; got {_describe(value)}")
+
+
+def check_bool(name: str, value: Any, *, allow_none: bool = False) -> None:
+  """Raises ``TypeError`` naming ``name`` unless ``value`` is a Python bool.
+
+  Switches decide the structure of the transform at construction, so they
+  are Python bools (``optax.inject_hyperparams`` leaves bools static); a
+  string such as ``"no"`` would be truthy.
+  """
+  if isinstance(value, bool) or (allow_none and value is None):
+    return
+  kind = "None or a bool" if allow_none else "a bool"
+  raise TypeError(
+    f"{name} must be {kind} (True or False); got {_describe(value)}"
+  )
+
+
+def check_dtype(name: str, value: Any, *, allow_none: bool = True) -> Any:
+  """The floating-point (or complex) dtype named by ``value``, or None.
+
+  Raises ``TypeError`` naming ``name`` for anything NumPy does not know as a
+  dtype (e.g. ``"float8"``: the 8-bit floats are ``"float8_e4m3fn"``, ...)
+  and ``ValueError`` for a dtype that cannot hold a moment (ints, bools).
+  """
+  if value is None and allow_none:
+    return None
+  try:
+    dtype = jnp.dtype(value)
+  except (TypeError, ValueError):
+    raise TypeError(
+      f"{name} must be {'None or ' if allow_none else ''}a floating-point "
+      f"dtype (e.g. jnp.float32 or 'bfloat16'); got {_describe(value)}"
+    ) from None
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    raise ValueError(
+      f"{name} must be a floating-point dtype (e.g. jnp.float32 or "
+      f"'bfloat16'); got {_describe(value)}, an {dtype.name} dtype"
+    )
+  return dtype
+
+
+def check_int(name: str, value: Any, low: int) -> int | None:
+  """``value`` as a Python int (validated), or None if it is traced.
+
+  A number with an integral value (``100``, ``100.0``, an int32 array as
+  ``optax.inject_hyperparams`` passes it) is accepted; anything else raises
+  an error naming ``name``, the expected type and the value.
+  """
+  check_number(name, value, kind=f"an int >= {low}")
+  v = concrete_value(value, name)
+  if v is None:
+    return None
+  if v != int(v) or v < low:
+    raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
+  return int(v)
+
+
+def concrete_value(value: Any, name: str = "value") -> float | None:
+  """Returns ``value`` as a Python float, or ``None`` if it is traced.
+
+  ``value`` must pass :func:`check_number` (``name`` names it in the error).
+  """
+  check_number(name, value)
   if isinstance(value, jax.core.Tracer):
     return None
   try:
@@ -30,8 +135,6 @@ def concrete_value(value: Any) -> float | None:
     jax.errors.TracerArrayConversionError,
   ):
     return None
-  if arr.shape != ():
-    raise TypeError(f"expected a scalar hyper-parameter, got shape {arr.shape}")
   return float(arr)
 
 
@@ -61,9 +164,10 @@ def check_range(
   """Raises ``ValueError`` naming ``name`` if ``value`` lies outside the range.
 
   The range is written in the message in interval notation, e.g. ``[0, 1)``.
-  Traced values are not checked.
+  Raises ``TypeError`` (:func:`check_number`) for anything but a real
+  number. Traced values have their type checked, not their value.
   """
-  v = concrete_value(value)
+  v = concrete_value(value, name)
   if v is None:
     return
   ok = not math.isnan(v)
@@ -94,9 +198,17 @@ def check_range(
 
 
 def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
-  if value not in choices:
+  """Raises ``ValueError`` naming ``name`` unless ``value`` is in ``choices``.
+
+  Compared by type and value, so an array or a number never matches a
+  string choice (and never compares element-wise).
+  """
+  if not any(
+    value is c or (isinstance(value, type(c)) and value == c) for c in choices
+  ):
     raise ValueError(
-      f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}"
+      f"{name} must be one of {', '.join(map(repr, choices))}; got "
+      f"{_describe(value)}"
     )
 
 
@@ -108,12 +220,73 @@ def require_params(params: Any, who: str, why: str) -> None:
     )
 
 
+def _path_list(paths: list[str], limit: int = 3) -> str:
+  shown = ", ".join(paths[:limit])
+  more = len(paths) - limit
+  return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+def _short(s: Any) -> str:
+  return str(s) if len(str(s)) <= 160 else str(s)[:150] + " ..."
+
+
+def _paths(tree: Any) -> list[str]:
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return [jax.tree_util.keystr(k) or "(the root)" for k, _ in flat]
+
+
+def check_tree_like(
+  who: str, tree: Any, like: Any, *, name: str = "updates", ref: str = "state"
+) -> None:
+  """Raises ``ValueError`` naming the first leaf where ``tree`` differs from
+  ``like``: a leaf path only one of them has, or a shape.
+
+  ``ref="state"``: ``like`` is a tree of the state, built from the params
+  by ``init``; otherwise ``ref`` names the argument ``like`` is (e.g.
+  ``"params"``). Only Python runs here, at trace time: nothing is added to
+  the compiled program. A message reads e.g. "grpo: `updates` leaf
+  ['layer']['w'] has shape (3, 4) but the state was built for (4, 4)".
+  """
+  leaves, s1 = jax.tree.flatten(tree)
+  ref_leaves, s2 = jax.tree.flatten(like)
+  state = ref == "state"
+  if s1 == s2:
+    for i, (x, r) in enumerate(zip(leaves, ref_leaves)):
+      if np.shape(x) != np.shape(r):
+        where = "the state was built for" if state else f"`{ref}` has"
+        raise ValueError(
+          f"{who}: `{name}` leaf {_paths(tree)[i]} has shape {np.shape(x)} "
+          f"but {where} {np.shape(r)}"
+        )
+    return
+  p1, p2 = _paths(tree), _paths(like)
+  extra = [p for p in p1 if p not in set(p2)]
+  missing = [p for p in p2 if p not in set(p1)]
+  of = "the params the state was built for" if state else f"`{ref}`"
+  if extra:
+    detail = f"has leaves that {of} lack: {_path_list(extra)}"
+  elif missing:
+    detail = f"lacks leaves of {of}: {_path_list(missing)}"
+  else:
+    detail = (
+      f"has the leaves of {of} in another structure: {_short(s1)} vs "
+      f"{_short(s2)}"
+    )
+  raise ValueError(
+    f"{who}: `{name}` {detail} ({_leaves(s1.num_leaves)} vs "
+    f"{_leaves(s2.num_leaves)})"
+  )
+
+
+def _leaves(n: int) -> str:
+  return f"{n} leaf" if n == 1 else f"{n} leaves"
+
+
 def check_same_structure(name: str, tree: Any, like: Any, who: str) -> None:
-  """Raises ``ValueError`` if ``tree`` does not have the structure of ``like``."""
-  s1 = jax.tree.structure(tree)
-  s2 = jax.tree.structure(like)
-  if s1 != s2:
-    short = lambda s: str(s) if len(str(s)) <= 160 else str(s)[:150] + " ..."
+  """Raises ``ValueError`` unless ``tree`` has the structure and the leaf
+  shapes of ``like`` (the updates), naming the first leaf that differs.
+  """
+  if jax.tree.structure(tree) != jax.tree.structure(like):
     extra = [
       x
       for x in jax.tree.leaves(tree)
@@ -121,19 +294,15 @@ def check_same_structure(name: str, tree: Any, like: Any, who: str) -> None:
         x, (jax.Array, np.ndarray, np.generic, int, float, complex)
       )
     ]
-    hint = (
-      " It has non-array leaves (e.g. "
-      f"{type(extra[0]).__name__}): with Equinox pass "
-      "`eqx.filter(model, eqx.is_array)` as params, the same filter as "
-      "the gradients."
-      if extra
-      else ""
-    )
-    raise ValueError(
-      f"{who}: `{name}` must have the same tree structure as the updates"
-      f" ({s1.num_leaves} vs {s2.num_leaves} leaves: {short(s1)} vs "
-      f"{short(s2)}).{hint}"
-    )
+    if extra:
+      raise ValueError(
+        f"{who}: `{name}` must have the same tree structure as the updates."
+        " It has non-array leaves (e.g. "
+        f"{type(extra[0]).__name__}): with Equinox pass "
+        "`eqx.filter(model, eqx.is_array)` as params, the same filter as "
+        "the gradients."
+      )
+  check_tree_like(who, like, tree, name="updates", ref=name)
 
 
 def is_static_zero(value: Any) -> bool:

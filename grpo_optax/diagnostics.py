@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_optax import _common
 from grpo_optax.clipping import ClipWithL2State
 from grpo_optax.freezing import FreezeBelowState
 from grpo_optax.importance import ScaleByImportanceState
@@ -144,6 +145,12 @@ def frozen_mask(opt_state, like: Any = None) -> Any:
   frozen = states[0].frozen
   if like is None:
     return frozen
+  n = jax.tree.structure(like).num_leaves
+  if n != frozen.shape[0]:
+    raise ValueError(
+      f"frozen_mask: `like` has {n} leaves but the freeze_below state was "
+      f"built for {frozen.shape[0]}"
+    )
   return jax.tree.unflatten(
     jax.tree.structure(like), [frozen[i] for i in range(frozen.shape[0])]
   )
@@ -166,8 +173,7 @@ def importance_converged(opt_state, std_below: float = 0.05) -> jax.Array:
   Raises:
     ValueError: if there is no importance stage or ``std_below <= 0``.
   """
-  if not std_below > 0:
-    raise ValueError(f"std_below must be in (0, inf); got {std_below!r}")
+  _common.check_range("std_below", std_below, 0.0, low_inclusive=False)
   states = find_states(opt_state, ScaleByImportanceState)
   if not states:
     raise ValueError(

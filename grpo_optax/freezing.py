@@ -86,9 +86,7 @@ def freeze_below(
   """
   _common.check_range("threshold", threshold, 0.0)
   _common.check_range("decay", decay, 0.0, 1.0, high_inclusive=False)
-  v = _common.concrete_value(warmup_steps)
-  if v is not None and (v != int(v) or v < 0):
-    raise ValueError(f"warmup_steps must be an int >= 0; got {warmup_steps!r}")
+  _common.check_int("warmup_steps", warmup_steps, 0)
   threshold = _common.f32(threshold)
   decay = _common.f32(decay)
 

@@ -292,6 +292,9 @@ def clip_mask_adam(
       _common.require_params(params, "grpo", "when l2 is on")
       _common.check_same_structure("params", params, updates, "grpo")
       p_leaves = treedef.flatten_up_to(params)
+    _common.check_tree_like(
+      "grpo", updates, momentum.moment_shapes(adam.mu_format, state.adaptive.mu)
+    )
     x_leaves, clip_state = _clip_phase(g_leaves, p_leaves, clip, state.clip)
     a_leaves, thr, mask_state = _mask_phase(x_leaves, mask, state.mask, treedef)
     ad = state.adaptive
@@ -304,7 +307,14 @@ def clip_mask_adam(
       ad._replace(
         mu=treedef.flatten_up_to(mu_old), nu=treedef.flatten_up_to(nu_old)
       ),
-      [g.dtype for g in g_leaves],
+      momentum.update_dtypes(  # optax's (the accumulator: the params')
+        updates,
+        params
+        if params is not None or mask is None
+        else state.mask.accumulator,
+        (ad.mu if adam.mu_format is None else None, adam.mu_dtype),
+        (ad.nu if adam.nu_format is None else None, adam.nu_dtype),
+      ),
     )
     new_state = FusedState(
       clip=clip_state,

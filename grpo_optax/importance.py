@@ -64,6 +64,12 @@ def per_head(entropy: jax.Array, axis: int, ndim: int) -> jax.Array:
     ``entropy`` with shape ``(1, ..., num_heads, ..., 1)``, ready to be a leaf
     of the ``head_entropy`` extra argument of :func:`scale_by_importance`.
   """
+  for name, value in (("axis", axis), ("ndim", ndim)):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+      raise TypeError(
+        f"{name} must be an int; got {value!r} ({type(value).__name__})"
+      )
+  axis, ndim = int(axis), int(ndim)
   entropy = jnp.asarray(entropy)
   if entropy.ndim != 1:
     raise ValueError(f"entropy must be a vector, got shape {entropy.shape}")
@@ -82,7 +88,7 @@ def _static_order(order: Any) -> int | None:
   ``optax.inject_hyperparams``, concrete or traced) keeps the buffer and is
   read at run time, so that jitted and plain ``init`` give the same state.
   """
-  v = _common.concrete_value(order)
+  v = _common.concrete_value(order, "order")
   if v is not None and v not in (1.0, 2.0):
     raise ValueError(f"order must be in {{1, 2}}; got {order!r}")
   if isinstance(order, (int, np.integer)) and not isinstance(order, bool):
@@ -182,8 +188,8 @@ def scale_by_importance(
   _common.check_range("min_weight", min_weight, 0.0)
   _common.check_range("max_weight", max_weight, 0.0)
   lo, hi = (
-    _common.concrete_value(min_weight),
-    _common.concrete_value(max_weight),
+    _common.concrete_value(min_weight, "min_weight"),
+    _common.concrete_value(max_weight, "max_weight"),
   )
   if lo is not None and hi is not None and hi < lo:
     raise ValueError(
@@ -216,6 +222,7 @@ def scale_by_importance(
     _common.require_params(
       params, "scale_by_importance", "(the Taylor score is |g * p| + h p^2 / 2)"
     )
+    _common.check_tree_like("scale_by_importance", updates, state.score)
     _common.check_same_structure(
       "params", params, updates, "scale_by_importance"
     )
@@ -272,7 +279,9 @@ def scale_by_importance(
         ent = jnp.asarray(ent, jnp.float32)
         head = ent / (jnp.mean(ent) + 1e-12)
         w = w * head
-      outs.append((g32 * w).astype(g.dtype))
+      # The params' dtype as optax's stateful transforms give it: the
+      # gradient's promoted with the score's (which follows the params).
+      outs.append((g32 * w).astype(jnp.promote_types(g.dtype, s_old.dtype)))
       # Diagnostics on a strided sample: no extra pass over the leaf.
       s_sample = _common.strided_sample(s)
       r_sample = (s_sample / bc) / denom

@@ -68,6 +68,55 @@ def moments_like(params, dtype) -> Any:
   )
 
 
+def check_format(name: str, value: Any) -> None:
+  """Raises ``ValueError`` naming ``name`` unless ``value`` is a state
+  format: None, a ``StateFormat`` or one of ``quantization.FORMAT_NAMES``.
+  """
+  if value is None or isinstance(value, quantization.StateFormat):
+    return
+  _common.check_choice(name, value, (*quantization.FORMAT_NAMES, None))
+
+
+def update_dtypes(updates, params, *moments) -> list[Any]:
+  """Per leaf of ``updates``: the dtype of the adaptive update, optax's.
+
+  ``optax.adam``'s update is the gradient's dtype promoted with its
+  moments', which follow the params unless ``mu_dtype`` says otherwise: so
+  bfloat16 gradients of float32 params give float32 updates, and float32
+  gradients of bfloat16 params too. Here: the gradient's dtype promoted
+  with the params' and with each moment stored in a requested dtype.
+  ``moments`` are ``(stored tree or None, requested dtype or None)`` pairs
+  (None for a quantized format). Without ``params`` (or a tree of their
+  dtypes), the stored moments stand for them (float32 for float16 params:
+  :func:`moment_dtype`).
+  """
+  leaves, treedef = jax.tree.flatten(updates)
+  dtypes = [jnp.result_type(x) for x in leaves]
+  if params is not None and jax.tree.structure(params) != treedef:
+    params = None  # e.g. an unfiltered Equinox model: not this stage's input
+  refs = [] if params is None else [params]
+  refs += [
+    tree
+    for tree, requested in moments
+    if tree is not None and (requested is not None or params is None)
+  ]
+  for tree in refs:
+    dtypes = [
+      jnp.promote_types(d, jnp.result_type(s))
+      for d, s in zip(dtypes, treedef.flatten_up_to(tree))
+    ]
+  return dtypes
+
+
+def moment_shapes(fmt, stored):
+  """A tree shaped like the params: the stored moment itself, or the shapes
+  of its decoded form (``jax.eval_shape``: no operation is added).
+  """
+  if fmt is None:
+    return stored
+  return jax.eval_shape(lambda s: quantization.tree_decode(fmt, s), stored)
+
+
 def _decoded(fmt, stored, floor=False):
   """The float32 tree of a stored moment (as is when ``fmt`` is None)."""
   if fmt is None:
@@ -170,13 +219,12 @@ def scale_by_nesterov_adam_rms(
     _common.check_range(
       "filter_decay", filter_decay, 0.0, 1.0, high_inclusive=False
     )
-  if not isinstance(nesterov, bool):
-    raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
-  if not isinstance(rms_bias_correction, bool):
-    raise TypeError(
-      "rms_bias_correction must be a bool, got "
-      f"{type(rms_bias_correction).__name__}"
-    )
+  _common.check_bool("nesterov", nesterov)
+  _common.check_bool("rms_bias_correction", rms_bias_correction)
+  mu_dtype = _common.check_dtype("mu_dtype", mu_dtype)
+  nu_dtype = _common.check_dtype("nu_dtype", nu_dtype)
+  check_format("mu_format", mu_format)
+  check_format("nu_format", nu_format)
 
   if mu_dtype is not None and mu_format is not None:
     raise ValueError("give `mu_dtype` or `mu_format`, not both.")
@@ -218,7 +266,10 @@ def scale_by_nesterov_adam_rms(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
+    del extra_args
+    _common.check_tree_like(
+      "scale_by_nesterov_adam_rms", updates, moment_shapes(mu_fmt, state.mu)
+    )
     count_inc = _common.safe_increment(state.count)
     filtered = state.filtered
     if filter_decay is not None:
@@ -264,8 +315,18 @@ def scale_by_nesterov_adam_rms(
       )
       return out
 
+    dtypes = update_dtypes(
+      updates,
+      params,
+      (state.mu if mu_fmt is None else None, mu_dtype),
+      (state.nu if nu_fmt is None else None, nu_dtype),
+    )
     out = jax.tree.map(
-      lambda m, v, gi, u: mix(m, v, gi).astype(u.dtype), mu_hat, nu, g, updates
+      lambda m, v, gi, d: mix(m, v, gi).astype(d),
+      mu_hat,
+      nu,
+      g,
+      jax.tree.unflatten(jax.tree.structure(updates), dtypes),
     )
     new_key, mu_key, nu_key = (
       jax.random.split(state.key, 3) if stochastic else (None, None, None)

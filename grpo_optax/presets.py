@@ -224,10 +224,8 @@ def grpo(
     ("adaptive", adaptive),
     ("rms_bias_correction", rms_bias_correction),
   ):
-    if not isinstance(value, bool):
-      raise TypeError(f"grpo: {name} must be a bool, got {value!r}")
-  if fused is not None and not isinstance(fused, bool):
-    raise TypeError(f"grpo: fused must be None or a bool, got {fused!r}")
+    _common.check_bool(f"grpo: {name}", value)
+  _common.check_bool("grpo: fused", fused, allow_none=True)
   _check_learning_rate(learning_rate)
   if weight_decay is not None:
     _common.check_range("grpo: weight_decay", weight_decay, 0.0)
@@ -310,6 +308,11 @@ def grpo(
 def _check_learning_rate(learning_rate) -> None:
   if callable(learning_rate):
     return
+  _common.check_number(
+    "grpo: learning_rate",
+    learning_rate,
+    kind=f"{_common.NUMBER} or an optax schedule",
+  )
   v = _common.concrete_value(learning_rate)
   if v is not None and not v >= 0:
     raise ValueError(

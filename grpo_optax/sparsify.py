@@ -103,12 +103,7 @@ def ema_threshold(
 
 def static_int(name, value, low):
   """``value`` as a Python int (validated), or None if it is traced."""
-  v = _common.concrete_value(value)
-  if v is None:
-    return None
-  if v != int(v) or v < low:
-    raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
-  return int(v)
+  return _common.check_int(name, value, low)
 
 
 def warmup_fraction(fraction: Any, warmup_steps: Any, count: jax.Array) -> Any:
@@ -394,12 +389,30 @@ def _scalars(params, value=0.0) -> jax.Array:
   return _common.leaf_scalars(params, value)
 
 
-def _check_leaves(who, state_thresholds, leaves):
+def _check_leaves(who, state, updates, leaves):
+  """The updates against the state: their leaf paths and shapes against a
+  params-shaped buffer of the state (if it keeps one), their count against
+  the per-leaf vectors.
+  """
+  like = state.accumulator
+  if like is None:
+    like = getattr(state, "frequency", None)
+  if like is not None:
+    _common.check_tree_like(who, updates, like)
+  state_thresholds = state.thresholds
   if state_thresholds.shape[0] != len(leaves):
     raise ValueError(
       f"{who}: the state was built for {state_thresholds.shape[0]} leaves but"
       f" the updates have {len(leaves)}"
     )
+
+
+def _out_dtype(a, acc):
+  """The gradient's dtype promoted with the accumulator's (which follows the
+  params), as optax's stateful transforms do: float32 for bfloat16 gradients
+  of float32 params.
+  """
+  return jnp.promote_types(a.dtype, acc.dtype)
 
 
 def _flat_or_none(tree, treedef, n):
@@ -576,8 +589,7 @@ def top_k_mask(
   static_int("min_size", min_size, 0)
   static_warmup = static_int("warmup_steps", warmup_steps, 0)
   static_int("seed", seed, 0)
-  if not isinstance(error_feedback, bool):
-    raise TypeError("error_feedback must be a bool")
+  _common.check_bool("error_feedback", error_feedback)
   static_fraction = (
     _common.concrete_value(fraction) if static_warmup == 0 else None
   )
@@ -606,7 +618,7 @@ def top_k_mask(
     del params, extra_args
     t = state.count
     leaves, treedef = jax.tree.flatten(updates)
-    _check_leaves("top_k_mask", state.thresholds, leaves)
+    _check_leaves("top_k_mask", state, updates, leaves)
     accs = _flat_or_none(state.accumulator, treedef, len(leaves))
     freq = _flat_or_none(state.frequency, treedef, len(leaves))
     frac = warmup_fraction(fraction, warmup_steps, t)
@@ -636,7 +648,7 @@ def top_k_mask(
     outs, new_acc = [], []
     for a, keep, acc in zip(a_leaves, keeps, accs):
       out, res = split_by_mask(a, keep)
-      outs.append(out)
+      outs.append(out if acc is None else out.astype(_out_dtype(a, acc)))
       if acc is not None:
         new_acc.append((a if by_threshold else res).astype(acc.dtype))
     new_freq = None
@@ -780,8 +792,7 @@ def ema_threshold_mask(
   static_int("every", every, 1)
   _common.check_range("scale", scale, 0.0)
   static_int("min_size", min_size, 0)
-  if not isinstance(error_feedback, bool):
-    raise TypeError("error_feedback must be a bool")
+  _common.check_bool("error_feedback", error_feedback)
   alpha = _common.f32(alpha)
   scale = _common.f32(scale)
 
@@ -798,7 +809,7 @@ def ema_threshold_mask(
     del params, extra_args
     t = state.count
     leaves, treedef = jax.tree.flatten(updates)
-    _check_leaves("ema_threshold_mask", state.tau, leaves)
+    _check_leaves("ema_threshold_mask", state, updates, leaves)
     accs = _flat_or_none(state.accumulator, treedef, len(leaves))
     a_leaves = [
       accumulate(g, acc, th).astype(g.dtype)
@@ -811,7 +822,8 @@ def ema_threshold_mask(
     outs, new_acc, kept = [], [], []
     for a, th, acc in zip(a_leaves, thr, accs):
       keep = keep_mask(a, th.astype(a.dtype))
-      outs.append(jnp.where(keep, a, jnp.zeros_like(a)))
+      out = jnp.where(keep, a, jnp.zeros_like(a))
+      outs.append(out if acc is None else out.astype(_out_dtype(a, acc)))
       if not error_feedback:
         kept.append(sampled_kept(a, th))
       if acc is not None:

@@ -108,8 +108,7 @@ def scale_by_variance_lr(
   _common.check_range("decay", decay, 0.0, 1.0, high_inclusive=False)
   _common.check_range("eps", eps, 0.0)
   _common.check_choice("reduction", reduction, REDUCTIONS)
-  if not isinstance(normalize, bool):
-    raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+  _common.check_bool("normalize", normalize)
 
   coef = _common.f32(coef)
   decay = _common.f32(decay)
@@ -133,6 +132,7 @@ def scale_by_variance_lr(
     **extra_args,
   ):
     del params, extra_args
+    _common.check_tree_like("scale_by_variance_lr", updates, state.mu)
     count_inc = _common.safe_increment(state.count)
     mu = optax.tree.update_moment(updates, state.mu, decay, 1)
     nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, decay, 2)
@@ -165,7 +165,12 @@ def scale_by_variance_lr(
       var = [v / (d + eps) for v, d in zip(var, denom)]
 
     scales = [1.0 / (1.0 + coef * v) for v in var]
-    out = [(g * s).astype(g.dtype) for g, s in zip(g_leaves, scales)]
+    # In the params' dtype as optax's moments give it (bfloat16 gradients of
+    # float32 params: float32), the gradient's promoted with the EMAs'.
+    out = [
+      (g * s).astype(jnp.promote_types(g.dtype, m.dtype))
+      for g, s, m in zip(g_leaves, scales, treedef.flatten_up_to(state.mu))
+    ]
 
     # Diagnostics: exact for per-leaf/global rates, on a strided sample for
     # per-element rates (no extra pass over the leaf).
