@@ -51,6 +51,7 @@ def check_number(name: str, value: Any, *, kind: str = NUMBER) -> None:
   elif isinstance(value, (int, float, np.integer, np.floating)):
     ok = True
   elif isinstance(value, (jax.Array, np.ndarray, jax.core.Tracer)):
+    dtype = jnp.dtype(value.dtype)
     ok = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(
       dtype, jnp.floating
     )

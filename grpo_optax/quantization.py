@@ -68,6 +68,7 @@ from typing import Any
 from typing import NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
