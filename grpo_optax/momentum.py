@@ -124,6 +124,50 @@ def _decoded(fmt, stored, floor=False):
   return quantization.tree_decode(fmt, stored, floor=floor)
 
 
+def _check_args(
+  b1,
+  b2,
+  eps,
+  eps_root,
+  adam_weight,
+  nesterov,
+  filter_decay,
+  rms_bias_correction,
+  mu_dtype,
+  nu_dtype,
+  mu_format,
+  nu_format,
+):
+  """Validates :func:`scale_by_nesterov_adam_rms`'s arguments; returns the
+  moments' dtypes and formats (``StateFormat`` or None).
+  """
+  _common.check_range("b1", b1, 0.0, 1.0, high_inclusive=False)
+  _common.check_range("b2", b2, 0.0, 1.0, high_inclusive=False)
+  _common.check_range("eps", eps, 0.0)
+  _common.check_range("eps_root", eps_root, 0.0)
+  _common.check_range("adam_weight", adam_weight, 0.0, 1.0)
+  if filter_decay is not None:
+    _common.check_range(
+      "filter_decay", filter_decay, 0.0, 1.0, high_inclusive=False
+    )
+  _common.check_bool("nesterov", nesterov)
+  _common.check_bool("rms_bias_correction", rms_bias_correction)
+  mu_dtype = _common.check_dtype("mu_dtype", mu_dtype)
+  nu_dtype = _common.check_dtype("nu_dtype", nu_dtype)
+  check_format("mu_format", mu_format)
+  check_format("nu_format", nu_format)
+
+  if mu_dtype is not None and mu_format is not None:
+    raise ValueError("give `mu_dtype` or `mu_format`, not both.")
+  if nu_dtype is not None and nu_format is not None:
+    raise ValueError("give `nu_dtype` or `nu_format`, not both.")
+  mu_fmt, nu_fmt = (
+    None if f is None else quantization.state_format(f)
+    for f in (mu_format, nu_format)
+  )
+  return mu_dtype, nu_dtype, mu_fmt, nu_fmt
+
+
 def scale_by_nesterov_adam_rms(
   b1: float = 0.9,
   b2: float = 0.999,
@@ -210,29 +254,19 @@ def scale_by_nesterov_adam_rms(
     Xie et al., `Adan: Adaptive Nesterov Momentum Algorithm
     <https://arxiv.org/abs/2208.06677>`_, 2022.
   """
-  _common.check_range("b1", b1, 0.0, 1.0, high_inclusive=False)
-  _common.check_range("b2", b2, 0.0, 1.0, high_inclusive=False)
-  _common.check_range("eps", eps, 0.0)
-  _common.check_range("eps_root", eps_root, 0.0)
-  _common.check_range("adam_weight", adam_weight, 0.0, 1.0)
-  if filter_decay is not None:
-    _common.check_range(
-      "filter_decay", filter_decay, 0.0, 1.0, high_inclusive=False
-    )
-  _common.check_bool("nesterov", nesterov)
-  _common.check_bool("rms_bias_correction", rms_bias_correction)
-  mu_dtype = _common.check_dtype("mu_dtype", mu_dtype)
-  nu_dtype = _common.check_dtype("nu_dtype", nu_dtype)
-  check_format("mu_format", mu_format)
-  check_format("nu_format", nu_format)
-
-  if mu_dtype is not None and mu_format is not None:
-    raise ValueError("give `mu_dtype` or `mu_format`, not both.")
-  if nu_dtype is not None and nu_format is not None:
-    raise ValueError("give `nu_dtype` or `nu_format`, not both.")
-  mu_fmt, nu_fmt = (
-    None if f is None else quantization.state_format(f)
-    for f in (mu_format, nu_format)
+  mu_dtype, nu_dtype, mu_fmt, nu_fmt = _check_args(
+    b1,
+    b2,
+    eps,
+    eps_root,
+    adam_weight,
+    nesterov,
+    filter_decay,
+    rms_bias_correction,
+    mu_dtype,
+    nu_dtype,
+    mu_format,
+    nu_format,
   )
   stochastic = any(f is not None and f.stochastic for f in (mu_fmt, nu_fmt))
 
