@@ -447,15 +447,62 @@ def leaf_scalars(params: Any, value: Any = 0.0, dtype: Any = jnp.float32):
   return jnp.full((len(jax.tree.leaves(params)),), value, dtype)
 
 
-def unstack(vector: jax.Array) -> list[jax.Array]:
-  """The per-leaf scalars of a :func:`leaf_scalars` vector.
+# Outputs of one variadic reduction in :func:`unstack` (a reduction with
+# thousands of outputs compiles and runs slower than a few levels of small
+# ones).
+UNSTACK_WIDTH = 32
 
-  Behind an optimization barrier: a leaf's kernels then read their own
-  scalar instead of fusing a slice of the shared vector (which would make
-  every leaf's kernels distinct and multiply XLA's compile time).
+
+def _split_reduce(x: jax.Array) -> list[jax.Array]:
+  """The ``m`` columns of ``x`` (shape ``(..., m)``) as ``m`` arrays, by one
+  variadic sum over the last axis: output ``j`` sums column ``j`` and
+  ``-0.0`` (or 0) elsewhere, which is column ``j`` exactly.
   """
-  parts = [vector[i] for i in range(vector.shape[0])]
-  return list(jax.lax.optimization_barrier(parts)) if parts else []
+  m = x.shape[-1]
+  zero = jnp.asarray(
+    -0.0 if jnp.issubdtype(x.dtype, jnp.floating) else 0, x.dtype
+  )
+  col = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  ops = tuple(jnp.where(col == j, x, zero) for j in range(m))
+  return list(
+    jax.lax.reduce(
+      ops,
+      (zero,) * m,
+      lambda xs, ys: tuple(u + v for u, v in zip(xs, ys)),
+      (x.ndim - 1,),
+    )
+  )
+
+
+def unstack(vector: jax.Array) -> list[jax.Array]:
+  """The per-leaf scalars of a :func:`leaf_scalars` vector, as separate arrays.
+
+  Written as variadic reductions (:func:`_split_reduce`), never as slices:
+  XLA does not fuse a reduction into its consumers, so each leaf's kernels
+  read a scalar buffer of their own. With ``vector[i]`` (or behind an
+  optimization barrier, which XLA:CPU removes before fusion) the slice
+  ``[i:i+1]`` is fused into every leaf's kernels, which then all differ,
+  and XLA compiles each of them separately: compile time grew with the
+  number of leaves (``docs/design.md``, "Compile time"). A vector of more
+  than :data:`UNSTACK_WIDTH` entries is padded and viewed as a ``(rows,
+  UNSTACK_WIDTH)`` matrix whose columns are split first, then each column
+  (all of one shape, so their kernels are identical): the number of
+  distinct kernels grows with the logarithm of the length, not the length.
+  """
+  n = vector.shape[0]
+  if n == 0:
+    return []
+  if vector.dtype == jnp.bool_:
+    return [x.astype(jnp.bool_) for x in unstack(vector.astype(jnp.int32))]
+  if n == 1:
+    return [vector.reshape(())]
+  if n <= UNSTACK_WIDTH:
+    return _split_reduce(vector)
+  rows = -(-n // UNSTACK_WIDTH)
+  padded = jnp.pad(vector, (0, rows * UNSTACK_WIDTH - n))
+  columns = _split_reduce(padded.reshape(rows, UNSTACK_WIDTH))
+  parts = [unstack(c) for c in columns]  # parts[j][r] = vector[r * W + j]
+  return [parts[i % UNSTACK_WIDTH][i // UNSTACK_WIDTH] for i in range(n)]
 
 
 def stack(

@@ -167,10 +167,11 @@ def _mask_phase(x_leaves, cfg: _Mask | None, state, treedef):
     extra = {"tau": _common.stack(tau, like=state.tau)}
     if not cfg.error_feedback:
       kept = [sparsify.sampled_kept(a, th) for a, th in zip(a_leaves, thr)]
+  thresholds = _common.stack(thr, like=state.thresholds)
   new_state = type(state)(
     count=_common.safe_increment(t),
     accumulator=(treedef.unflatten(a_leaves) if cfg.error_feedback else None),
-    thresholds=_common.stack(thr, like=state.thresholds),
+    thresholds=thresholds,
     kept_fraction=(
       None
       if kept is None
@@ -178,6 +179,12 @@ def _mask_phase(x_leaves, cfg: _Mask | None, state, treedef):
     ),
     **extra,
   )
+  if cfg.kind == "threshold":
+    # The consumers read the EMA thresholds back from the stacked vector
+    # (materialised scalars): computed in place, the EMA's refresh logic
+    # would be copied into each of a leaf's kernels. The top-k's are the
+    # bisection loop's outputs, materialised already.
+    thr = _common.unstack(thresholds)
   return a_leaves, thr, new_state
 
 

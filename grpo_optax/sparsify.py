@@ -631,6 +631,7 @@ def top_k_mask(
       thr, kept = topk_leaf_thresholds(
         a_leaves, dense, frac, seed, t, with_kept=not error_feedback
       )
+      thresholds = _common.stack(thr, like=state.thresholds)
       keeps = [keep_mask(a, th.astype(a.dtype)) for a, th in zip(a_leaves, thr)]
     else:
       keeps, kept = _score_masks(
@@ -645,6 +646,7 @@ def top_k_mask(
         t,
       )
       thr = [jnp.asarray(RESIDUAL_ONLY, jnp.float32)] * len(leaves)
+      thresholds = _common.stack(thr, like=state.thresholds)
     outs, new_acc = [], []
     for a, keep, acc in zip(a_leaves, keeps, accs):
       out, res = split_by_mask(a, keep)
@@ -662,7 +664,7 @@ def top_k_mask(
     return treedef.unflatten(outs), TopKMaskState(
       count=_common.safe_increment(t),
       accumulator=treedef.unflatten(new_acc) if error_feedback else None,
-      thresholds=_common.stack(thr, like=state.thresholds),
+      thresholds=thresholds,
       frequency=new_freq,
       kept_fraction=(
         None
@@ -819,6 +821,8 @@ def ema_threshold_mask(
     thr, tau = threshold_leaf_thresholds(
       a_leaves, dense, _common.unstack(state.tau), alpha, t, every, scale
     )
+    thresholds = _common.stack(thr, like=state.thresholds)
+    thr = _common.unstack(thresholds)  # materialised (see fused.py)
     outs, new_acc, kept = [], [], []
     for a, th, acc in zip(a_leaves, thr, accs):
       keep = keep_mask(a, th.astype(a.dtype))
@@ -831,7 +835,7 @@ def ema_threshold_mask(
     return treedef.unflatten(outs), EmaThresholdMaskState(
       count=_common.safe_increment(t),
       accumulator=treedef.unflatten(new_acc) if error_feedback else None,
-      thresholds=_common.stack(thr, like=state.thresholds),
+      thresholds=thresholds,
       tau=_common.stack(tau, like=state.tau),
       kept_fraction=(
         None
