@@ -324,8 +324,9 @@ def test_one_device_mesh_accepts_jax_array_batches(exchange):
   # a jax.Array on that device has a sharding *equivalent* to the mesh's,
   # and the Explicit mesh's shard_map still needs the spec P("data").
   mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+  kept = {} if exchange == "dense" else {"fraction": 1.0}
   dp = training.data_parallel_step(
-    _loss, optax.sgd(0.1), mesh, exchange=exchange, fraction=1.0
+    _loss, optax.sgd(0.1), mesh, exchange=exchange, **kept
   )
   x, y = _batches(1)[0]
   batch = (jnp.asarray(x), jnp.asarray(y))

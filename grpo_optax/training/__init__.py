@@ -9,16 +9,21 @@ and memory are spent. The steps here change the program itself:
 * :func:`train_step` (donated, in-place) and :func:`layerwise_train_step`
   (fused backward + update per layer of a scanned stack, LOMO-style).
 * :func:`frozen_train_step`: frozen leaves are never differentiated.
-* :func:`data_parallel_step`: data-parallel training over a mesh with a dense
-  or sparse gradient exchange (:func:`sparse_pmean`), one device or many
-  processes; :func:`collective_bytes` and :func:`ring_traffic` (from
+* :func:`data_parallel` (:class:`DataParallel`): the data-parallel runtime,
+  one train step over a mesh that carries the model's mutable state
+  (BatchNorm statistics), auxiliary outputs, a PRNG key per replica, the
+  exchange of any compressor (:mod:`grpo_optax.training.compressors`, one
+  registry; :func:`make_exchange`, :func:`sparse_pmean`) and local steps
+  (DiLoCo) as a mode; checkpoints with :mod:`grpo_optax.training.
+  checkpointing`. :func:`data_parallel_step` and :func:`local_steps_step`
+  are its forms for a plain ``loss_fn(params, batch)``;
+  :func:`collective_bytes` and :func:`ring_traffic` (from
   :mod:`grpo_optax.hlo`) read the traffic off the program.
-* :func:`local_steps_step`: local-step (DiLoCo) data parallelism, ``H`` inner
-  steps per replica and one outer exchange of the pseudo-gradient
-  (:func:`outer_step`), with a per-round participation mask.
 
-All take plain pytrees and a ``loss_fn(params, batch)``; :func:`split_model`
-turns a Flax NNX model into that form (Flax is imported only there).
+The others take plain pytrees and a ``loss_fn(params, batch)``;
+:func:`split_model` turns a Flax NNX model into that form, and
+:func:`split_model_with_state` into the runtime's (Flax is imported only
+there).
 """
 
 from grpo_optax.hlo import COLLECTIVES
@@ -26,15 +31,20 @@ from grpo_optax.hlo import collective_bytes
 from grpo_optax.hlo import collective_ops
 from grpo_optax.hlo import ring_send_bytes
 from grpo_optax.hlo import ring_traffic
+from grpo_optax.training import checkpointing
+from grpo_optax.training import compressors
 from grpo_optax.training._nnx import PureModel
 from grpo_optax.training._nnx import split_model
-from grpo_optax.training.distributed import EXCHANGES
+from grpo_optax.training._nnx import split_model_with_state
 from grpo_optax.training.distributed import DataParallelState
 from grpo_optax.training.distributed import DataParallelStep
 from grpo_optax.training.distributed import data_parallel_step
-from grpo_optax.training.distributed import sparse_pmean
+from grpo_optax.training.exchange import EXCHANGES
+from grpo_optax.training.exchange import Exchange
 from grpo_optax.training.exchange import ExchangeState
 from grpo_optax.training.exchange import init_exchange
+from grpo_optax.training.exchange import make_exchange
+from grpo_optax.training.exchange import sparse_pmean
 from grpo_optax.training.freezing import FrozenStep
 from grpo_optax.training.freezing import frozen_train_step
 from grpo_optax.training.hierarchical import DEFAULT_NONCORE_PATTERN
@@ -56,13 +66,20 @@ from grpo_optax.training.local_steps import int8_levels
 from grpo_optax.training.local_steps import local_steps_step
 from grpo_optax.training.local_steps import outer_step
 from grpo_optax.training.local_steps import round_traffic_per_step
+from grpo_optax.training.outer import OuterState
+from grpo_optax.training.runtime import DataParallel
+from grpo_optax.training.runtime import StepOutput
+from grpo_optax.training.runtime import TrainState
+from grpo_optax.training.runtime import data_parallel
 
 __all__ = (
   "COLLECTIVES",
   "DEFAULT_NONCORE_PATTERN",
+  "DataParallel",
   "DataParallelState",
   "DataParallelStep",
   "EXCHANGES",
+  "Exchange",
   "ExchangeState",
   "FrozenStep",
   "HierarchicalState",
@@ -71,10 +88,16 @@ __all__ = (
   "LayerwiseStep",
   "LocalSteps",
   "LocalStepsState",
+  "OuterState",
   "PureModel",
   "StackedParams",
+  "StepOutput",
+  "TrainState",
+  "checkpointing",
   "collective_bytes",
   "collective_ops",
+  "compressors",
+  "data_parallel",
   "data_parallel_step",
   "default_is_core",
   "default_outer_optimizer",
@@ -85,12 +108,14 @@ __all__ = (
   "int8_levels",
   "layerwise_train_step",
   "local_steps_step",
+  "make_exchange",
   "outer_step",
   "ring_send_bytes",
   "ring_traffic",
   "round_traffic_per_step",
   "sparse_pmean",
   "split_model",
+  "split_model_with_state",
   "stacked_loss_fn",
   "train_step",
 )

@@ -1,4 +1,9 @@
-"""Adapter from a Flax NNX model to the pure ``loss_fn(params, batch)`` form.
+"""Adapters from a Flax NNX model to the pure loss forms of the steps.
+
+:func:`split_model` gives ``loss_fn(params, batch)`` (the steps of
+:mod:`grpo_optax.training` that take a plain loss); :func:`split_model_with_state`
+gives the runtime's ``loss_fn(params, model_state, batch, key)``, with the
+BatchNorm statistics as the model state.
 
 Flax is imported lazily, inside the function: ``grpo_optax`` does not depend
 on it.
@@ -64,3 +69,74 @@ def split_model(
     return model
 
   return PureModel(pure_loss, params, update_model)
+
+
+class StatefulModel(NamedTuple):
+  """A model split for the data-parallel runtime (:func:`split_model_with_state`).
+
+  Attributes:
+    loss_fn: ``loss_fn(params, model_state, batch, key) -> (loss,
+      (model_state, aux))``, the runtime's signature.
+    params: the ``nnx.State`` of the trained variables.
+    model_state: the ``nnx.State`` of the mutable variables the loss updates
+      (e.g. ``nnx.BatchStat``).
+    merge: ``merge(params, model_state)`` returns a model holding them (for
+      evaluation).
+  """
+
+  loss_fn: Callable[[Any, Any, Any, Any], Any]
+  params: Any
+  model_state: Any
+  merge: Callable[[Any, Any], Any]
+
+
+def split_model_with_state(
+  model: Any,
+  loss_fn: Callable[[Any, Any, Any], Any],
+  *,
+  wrt: Any = None,
+  mutable: Any = None,
+) -> StatefulModel:
+  """Splits an NNX ``model`` for :func:`grpo_optax.training.data_parallel`.
+
+  Args:
+    model: a ``flax.nnx.Module``.
+    loss_fn: ``loss_fn(model, batch, key) -> (loss, aux)``; it may update
+      the ``mutable`` variables (BatchNorm in training mode does).
+    wrt: the NNX filter of the trained variables (default ``nnx.Param``).
+    mutable: the NNX filter of the model state the loss updates, averaged
+      over the replicas by the runtime (default ``nnx.BatchStat``). Other
+      variables are held constant.
+
+  Returns:
+    A :class:`StatefulModel` ``(loss_fn, params, model_state, merge)``.
+
+  Examples:
+    >>> from flax import nnx
+    >>> import jax, jax.numpy as jnp
+    >>> bn = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+    >>> sm = split_model_with_state(bn, lambda m, x, k: (jnp.sum(m(x)), None))
+    >>> loss, (stats, _) = sm.loss_fn(sm.params, sm.model_state,
+    ...                               jnp.ones((4, 2)), None)
+    >>> [float(v) for v in stats["mean"][...]]
+    [0.01, 0.01]
+  """
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+
+  wrt = nnx.Param if wrt is None else wrt
+  mutable = nnx.BatchStat if mutable is None else mutable
+  graphdef, params, state, rest = nnx.split(model, wrt, mutable, ...)
+
+  def pure_loss(p, s, batch, key):
+    # Fresh variables at this trace level: the loss may write to them.
+    fresh = lambda t: jax.tree.map(lambda x: x, t)
+    m = nnx.merge(graphdef, p, fresh(s), fresh(rest))
+    loss, aux = loss_fn(m, batch, key)
+    return loss, (nnx.state(m, mutable), aux)
+
+  def merge(p, s):
+    return nnx.merge(graphdef, p, s, rest)
+
+  return StatefulModel(pure_loss, params, state, merge)
