@@ -92,6 +92,42 @@ def _mlm_metrics(logits, targets):
   return loss, correct
 
 
+def _entropy_metrics(entropies) -> dict[str, jax.Array]:
+  return {
+    f"head_entropy/layer{i}_head{h}": entropy[h]
+    for i, entropy in enumerate(entropies)
+    for h in range(entropy.shape[0])
+  }
+
+
+def make_forward(*, num_predictions: int, vocab_size: int):
+  """The loss of one replica's share, ``forward(model, tokens, key) ->
+  (loss, {"masked_accuracy", "entropies"})``, for the data-parallel runtime
+  (the replica's key draws the masks and the dropout).
+  """
+
+  def forward(model, tokens, key):
+    mask_key, dropout_key = jax.random.split(key)
+    inputs, positions, targets = input_pipeline.mask_tokens(
+      mask_key, tokens, num_predictions=num_predictions, vocab_size=vocab_size
+    )
+    logits, entropies = model.apply_with_entropy(
+      inputs,
+      deterministic=False,
+      dropout_key=dropout_key,
+      positions=positions,
+    )
+    loss, correct = _mlm_metrics(logits, targets)
+    return loss.mean(), {"masked_accuracy": correct.mean(), "entropies": entropies}
+
+  return forward
+
+
+def head_entropy_args(grads, aux) -> dict[str, Any]:
+  """``tx.update``'s ``head_entropy`` from the replicas' mean entropies."""
+  return {"head_entropy": head_entropy_tree(grads, aux["entropies"])}
+
+
 def make_train_step(
   graphdef: nnx.GraphDef,
   *,
@@ -99,72 +135,34 @@ def make_train_step(
   vocab_size: int,
   pass_head_entropy: bool,
   compiler_options: dict | None = None,
-  replicas: parallel.Replicas | None = None,
 ):
-  """A jitted step ``(state, residual, tokens, key) -> (state, residual,
+  """A jitted single-device step ``(state, tokens, key) -> (state,
   metrics)``.
 
   ``key`` (a function of seed and step) draws the masks and the dropout;
-  ``state`` = ``nnx.state((model, optimizer))`` is donated. With
-  ``replicas`` the step runs once per device on its share of the batch
-  (inside ``shard_map``, a key per replica); gradients go through the
-  exchange (``residual``: per-replica error feedback, None for dense), and
-  the head entropies and metrics are averaged over the replicas. Without,
-  ``residual`` is None and passes through.
+  ``state`` = ``nnx.state((model, optimizer))`` is donated.
+  (``--data-parallel`` runs :func:`make_forward` in the library's runtime.)
   """
+  forward = make_forward(num_predictions=num_predictions, vocab_size=vocab_size)
 
-  def train_step(state, residual, tokens, key):
+  def train_step(state, tokens, key):
     model, optimizer = nnx.merge(graphdef, state)
-    if replicas is not None:
-      key = replicas.fold_key(key)
-    mask_key, dropout_key = jax.random.split(key)
-    inputs, positions, targets = input_pipeline.mask_tokens(
-      mask_key, tokens, num_predictions=num_predictions, vocab_size=vocab_size
-    )
-
-    def loss_fn(model):
-      logits, entropies = model.apply_with_entropy(
-        inputs,
-        deterministic=False,
-        dropout_key=dropout_key,
-        positions=positions,
-      )
-      loss, correct = _mlm_metrics(logits, targets)
-      return loss.mean(), (correct.mean(), entropies)
-
-    if replicas is None:
-      (loss, (accuracy, entropies)), grads = nnx.value_and_grad(
-        loss_fn, has_aux=True
-      )(model)
-    else:
-      model_graph, model_state = nnx.split(model)
-      local = nnx.merge(model_graph, replicas.varying(model_state))
-      (loss, (accuracy, entropies)), grads = nnx.value_and_grad(
-        loss_fn, has_aux=True
-      )(local)
-      grads, residual = replicas.exchange_grads(grads, residual)
-      loss, accuracy, entropies = replicas.mean((loss, accuracy, entropies))
-    extra = (
-      {"head_entropy": head_entropy_tree(grads, entropies)}
-      if pass_head_entropy
-      else {}
-    )
+    (loss, aux), grads = nnx.value_and_grad(
+      lambda m: forward(m, tokens, key), has_aux=True
+    )(model)
+    extra = head_entropy_args(grads, aux) if pass_head_entropy else {}
     updates = optimizer.update(model, grads, **extra)
     metrics = {
       "loss": loss,
-      "masked_accuracy": accuracy,
+      "masked_accuracy": aux["masked_accuracy"],
       "grad_norm": optax.tree.norm(grads),
       "update_norm": optax.tree.norm(updates),
       "param_norm": optax.tree.norm(nnx.state(model, nnx.Param)),
+      **_entropy_metrics(aux["entropies"]),
     }
-    for i, entropy in enumerate(entropies):
-      for h in range(entropy.shape[0]):
-        metrics[f"head_entropy/layer{i}_head{h}"] = entropy[h]
-    return nnx.state((model, optimizer)), residual, metrics
+    return nnx.state((model, optimizer)), metrics
 
-  return parallel.jit_train_step(
-    train_step, replicas, num_batch_args=1, compiler_options=compiler_options
-  )
+  return jax.jit(train_step, donate_argnums=0, compiler_options=compiler_options)
 
 
 def make_eval_step(
@@ -243,25 +241,26 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     dropout=args.dropout,
   )
   init_key, step_base = data_lib.init_and_step_keys(args.seed)
+  tx = optim.make_optimizer(args, DEFAULT_LRS)
   model, optimizer = optim.create_model_and_optimizer(
-    lambda rngs: models.BertMLM(config, rngs=rngs),
-    optim.make_optimizer(args, DEFAULT_LRS),
-    init_key,
+    lambda rngs: models.BertMLM(config, rngs=rngs), tx, init_key
   )
-  replicas = parallel.make_replicas(args)
-  start_step, history = (
-    (0, workdir_lib.new_history())
-    if replicas
-    else (workdir.restore(model, optimizer))
-  )
-
   num_predictions = input_pipeline.num_predictions(args.seq_len, args.mask_rate)
+  options = flags.compiler_options(args)
+  dp, split = parallel.make_runtime(
+    args,
+    model,
+    make_forward(num_predictions=num_predictions, vocab_size=data.vocab_size),
+    tx,
+    extra_args=head_entropy_args if uses_head_entropy(args) else None,
+    options=options,
+  )
   graphdef, state = nnx.split((model, optimizer))
-  residual = outer = None
-  if replicas is not None:
-    start_step, history, (state, residual, outer) = parallel.place(
-      workdir, replicas, model, state
-    )
+  if dp is None:
+    start_step, history = workdir.restore(model, optimizer)
+    state = nnx.state((model, optimizer))
+  else:
+    start_step, history, state = parallel.place(workdir, dp, split, step_base)
   if start_step > args.steps:
     raise ValueError(
       f"the checkpoint in {args.workdir} is at step "
@@ -272,17 +271,14 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     num_predictions=num_predictions,
     vocab_size=data.vocab_size,
     pass_head_entropy=uses_head_entropy(args),
-    compiler_options=flags.compiler_options(args),
-    replicas=replicas,
+    compiler_options=options,
   )
   eval_step = make_eval_step(
     graphdef,
     num_predictions=num_predictions,
     vocab_size=data.vocab_size,
-    compiler_options=flags.compiler_options(args),
+    compiler_options=options,
   )
-  if replicas is not None and replicas.local_steps:
-    replicas.build_outer_sync(graphdef, flags.compiler_options(args))
   num_train = len(data.train)
 
   bar = tqdm.tqdm(
@@ -296,13 +292,13 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   tick = time.time()
   for step in bar:
     idx = data_lib.batch_indices(args.seed, step, args.batch_size, num_train)
-    tokens, key = data.train[idx], data_lib.step_key(step_base, step)
-    if replicas is not None:
-      tokens, key = replicas.shard(tokens), replicas.replicate(key)
-    state, residual, metrics = train_step(state, residual, tokens, key)
-    done = step + 1
-    if replicas is not None and replicas.is_outer_step(done, args.steps):
-      state, residual, outer = replicas.outer_sync(state, residual, outer)
+    tokens, done = data.train[idx], step + 1
+    if dp is None:
+      key = data_lib.step_key(step_base, step)
+      state, metrics = train_step(state, tokens, key)
+    else:
+      state, metrics = parallel.train_step(dp, state, tokens, done, args)
+      metrics.update(_entropy_metrics(metrics.pop("entropies")))
     metrics = jax.device_get(metrics)
     history["train_loss"].append([done, float(metrics["loss"])])
     now = time.time()
@@ -320,7 +316,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if evaluated:
       eval_loss, eval_acc = evaluate(
         eval_step,
-        parallel.single_device(state, replicas, outer),
+        parallel.single_device(dp, state, model, optimizer),
         data.eval,
         args.eval_batch_size,
       )
@@ -335,17 +331,15 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
           f"accuracy {eval_acc:.4f}"
         )
     if workdir.should_checkpoint(done, evaluated=evaluated, last=last):
-      nnx.update(
-        (model, optimizer), parallel.single_device(state, replicas, outer)
-      )
+      nnx.update((model, optimizer), parallel.single_device(dp, state, model, optimizer))
       workdir.log_optimizer(done, optimizer)
-      if replicas is None:
+      if dp is None:
         workdir.save(done, model, optimizer, history)
       else:
-        parallel.save(workdir, done, history, state, residual, outer)
+        parallel.save(workdir, done, history, state)
   bar.close()
 
-  state = parallel.single_device(state, replicas, outer)
+  state = parallel.single_device(dp, state, model, optimizer)
   nnx.update((model, optimizer), state)
   if not history["eval"] or history["eval"][-1][0] != args.steps:
     # Resumed from a finished run: evaluate the restored model once.
@@ -366,7 +360,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     "steps": args.steps,
     "batch_size": args.batch_size,
     "seed": args.seed,
-    "data_parallel": replicas and replicas.describe(),
+    "data_parallel": dp and parallel.describe(args, dp),
     "num_train_sequences": num_train,
     "num_eval_sequences": len(data.eval),
     "train_loss": float(np.mean(recent)) if recent else None,

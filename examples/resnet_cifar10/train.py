@@ -48,49 +48,50 @@ def load_dataset(args: argparse.Namespace) -> input_pipeline.Dataset:
   )
 
 
+def _loss_and_logits(model, images, labels):
+  logits = model(images, train=True)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  return loss.mean(), logits
+
+
+def make_forward(augment: bool):
+  """The loss of one replica's share, ``forward(model, (images, labels),
+  key) -> (loss, {"accuracy"})``, for the data-parallel runtime (the key is
+  the replica's: random crops and flips).
+  """
+
+  def forward(model, batch, key):
+    images, labels = batch
+    if augment:
+      images = input_pipeline.random_crop_flip(key, images)
+    loss, logits = _loss_and_logits(model, images, labels)
+    return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == labels)}
+
+  return forward
+
+
 def make_train_step(
   graphdef: nnx.GraphDef,
   *,
   augment: bool,
   compiler_options: dict | None = None,
-  replicas: parallel.Replicas | None = None,
 ):
-  """A jitted step ``(state, residual, images, labels, key) -> (state,
-  residual, metrics)``.
+  """A jitted single-device step ``(state, images, labels, key) -> (state,
+  metrics)``.
 
   ``state`` is ``nnx.state((model, optimizer))``; it is donated, so XLA
   updates parameters, BatchNorm statistics and optimizer state in place.
-  With ``replicas`` the step runs once per device on its share of the batch
-  (inside ``shard_map``): each replica differentiates a varying copy of the
-  model (its own gradient, no implicit psum), the gradients go through the
-  exchange (``residual``: the per-replica error feedback, None for dense),
-  BatchNorm statistics and metrics are averaged over the replicas.
-  Without, ``residual`` is None and passes through.
+  (``--data-parallel`` runs :func:`make_forward` in the library's runtime.)
   """
 
-  def train_step(state, residual, images, labels, key):
+  def train_step(state, images, labels, key):
     model, optimizer = nnx.merge(graphdef, state)
-    if replicas is not None:
-      key = replicas.fold_key(key)
     if augment:
       images = input_pipeline.random_crop_flip(key, images)
-
-    def loss_fn(model):
-      logits = model(images, train=True)
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-      return loss.mean(), logits
-
-    if replicas is None:
-      (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-    else:
-      model_graph, model_state = nnx.split(model)
-      local = nnx.merge(model_graph, replicas.varying(model_state))
-      (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(local)
-      nnx.update(model, replicas.sync_stats(nnx.state(local, nnx.BatchStat)))
-      grads, residual = replicas.exchange_grads(grads, residual)
+    (loss, logits), grads = nnx.value_and_grad(
+      lambda m: _loss_and_logits(m, images, labels), has_aux=True
+    )(model)
     accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
-    if replicas is not None:
-      loss, accuracy = replicas.mean((loss, accuracy))
     updates = optimizer.update(model, grads)
     metrics = {
       "loss": loss,
@@ -99,11 +100,9 @@ def make_train_step(
       "update_norm": optax.tree.norm(updates),
       "param_norm": optax.tree.norm(nnx.state(model, nnx.Param)),
     }
-    return nnx.state((model, optimizer)), residual, metrics
+    return nnx.state((model, optimizer)), metrics
 
-  return parallel.jit_train_step(
-    train_step, replicas, num_batch_args=2, compiler_options=compiler_options
-  )
+  return jax.jit(train_step, donate_argnums=0, compiler_options=compiler_options)
 
 
 def make_eval_step(
@@ -153,38 +152,33 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     (args.dataset == "cifar10") if args.augment is None else args.augment
   )
   init_key, step_base = data_lib.init_and_step_keys(args.seed)
+  tx = optim.make_optimizer(args, DEFAULT_LRS)
   model, optimizer = optim.create_model_and_optimizer(
     lambda rngs: models.ResNet(
       args.depth, dataset.num_classes, dataset.image_shape[-1], rngs=rngs
     ),
-    optim.make_optimizer(args, DEFAULT_LRS),
+    tx,
     init_key,
   )
-  replicas = parallel.make_replicas(args)
-  start_step, history = (
-    (0, workdir_lib.new_history())
-    if replicas
-    else (workdir.restore(model, optimizer))
+  options = flags.compiler_options(args)
+  dp, split = parallel.make_runtime(
+    args, model, make_forward(augment), tx, options=options
   )
-
   graphdef, state = nnx.split((model, optimizer))
-  residual = outer = None
-  if replicas is not None:
-    start_step, history, (state, residual, outer) = parallel.place(
-      workdir, replicas, model, state
-    )
+  if dp is None:
+    start_step, history = workdir.restore(model, optimizer)
+    state = nnx.state((model, optimizer))
+  else:
+    start_step, history, state = parallel.place(workdir, dp, split, step_base)
   if start_step > args.steps:
     raise ValueError(
       f"the checkpoint in {args.workdir} is at step "
       f"{start_step}, beyond --steps {args.steps}."
     )
-  options = flags.compiler_options(args)
   train_step = make_train_step(
-    graphdef, augment=augment, compiler_options=options, replicas=replicas
+    graphdef, augment=augment, compiler_options=options
   )
   eval_step = make_eval_step(graphdef, compiler_options=options)
-  if replicas is not None and replicas.local_steps:
-    replicas.build_outer_sync(graphdef, options)
   num_train = len(dataset.train_labels)
 
   bar = tqdm.tqdm(
@@ -199,14 +193,12 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   for step in bar:
     idx = data_lib.batch_indices(args.seed, step, args.batch_size, num_train)
     images, labels = dataset.train_images[idx], dataset.train_labels[idx]
-    key = data_lib.step_key(step_base, step)
-    if replicas is not None:
-      images, labels = replicas.shard(images), replicas.shard(labels)
-      key = replicas.replicate(key)
-    state, residual, metrics = train_step(state, residual, images, labels, key)
     done = step + 1
-    if replicas is not None and replicas.is_outer_step(done, args.steps):
-      state, residual, outer = replicas.outer_sync(state, residual, outer)
+    if dp is None:
+      key = data_lib.step_key(step_base, step)
+      state, metrics = train_step(state, images, labels, key)
+    else:
+      state, metrics = parallel.train_step(dp, state, (images, labels), done, args)
     metrics = jax.device_get(metrics)
     history["train_loss"].append([done, float(metrics["loss"])])
     now = time.time()
@@ -224,7 +216,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if evaluated:
       eval_loss, eval_acc = evaluate(
         eval_step,
-        parallel.single_device(state, replicas, outer),
+        parallel.single_device(dp, state, model, optimizer),
         dataset,
         args.eval_batch_size,
       )
@@ -237,17 +229,15 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
           f"step {done}: held-out loss {eval_loss:.4f}, accuracy {eval_acc:.4f}"
         )
     if workdir.should_checkpoint(done, evaluated=evaluated, last=last):
-      nnx.update(
-        (model, optimizer), parallel.single_device(state, replicas, outer)
-      )
+      nnx.update((model, optimizer), parallel.single_device(dp, state, model, optimizer))
       workdir.log_optimizer(done, optimizer)
-      if replicas is None:
+      if dp is None:
         workdir.save(done, model, optimizer, history)
       else:
-        parallel.save(workdir, done, history, state, residual, outer)
+        parallel.save(workdir, done, history, state)
   bar.close()
 
-  state = parallel.single_device(state, replicas, outer)
+  state = parallel.single_device(dp, state, model, optimizer)
   nnx.update((model, optimizer), state)
   if not history["eval"] or history["eval"][-1][0] != args.steps:
     # Resumed from a finished run: evaluate the restored model once.
@@ -269,7 +259,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     "steps": args.steps,
     "batch_size": args.batch_size,
     "seed": args.seed,
-    "data_parallel": replicas and replicas.describe(),
+    "data_parallel": dp and parallel.describe(args, dp),
     "num_train_examples": num_train,
     "num_eval_examples": len(dataset.test_labels),
     "train_loss": float(np.mean(recent)) if recent else None,

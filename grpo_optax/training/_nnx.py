@@ -77,9 +77,10 @@ class StatefulModel(NamedTuple):
   Attributes:
     loss_fn: ``loss_fn(params, model_state, batch, key) -> (loss,
       (model_state, aux))``, the runtime's signature.
-    params: the ``nnx.State`` of the trained variables.
-    model_state: the ``nnx.State`` of the mutable variables the loss updates
-      (e.g. ``nnx.BatchStat``).
+    params: the trained variables' values (a pure ``nnx.State``, as
+      ``nnx.Optimizer`` hands them to optax).
+    model_state: the values of the mutable variables the loss updates (e.g.
+      ``nnx.BatchStat``), a pure ``nnx.State``.
     merge: ``merge(params, model_state)`` returns a model holding them (for
       evaluation).
   """
@@ -123,18 +124,17 @@ def split_model_with_state(
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  import jax  # pylint: disable=g-import-not-at-top
-
   wrt = nnx.Param if wrt is None else wrt
   mutable = nnx.BatchStat if mutable is None else mutable
   graphdef, params, state, rest = nnx.split(model, wrt, mutable, ...)
+  # Pure states (arrays, no Variable objects): what optax sees, and merged
+  # into fresh variables at the trace level of each call.
+  params, state, rest = (nnx.as_pure(t) for t in (params, state, rest))
 
   def pure_loss(p, s, batch, key):
-    # Fresh variables at this trace level: the loss may write to them.
-    fresh = lambda t: jax.tree.map(lambda x: x, t)
-    m = nnx.merge(graphdef, p, fresh(s), fresh(rest))
+    m = nnx.merge(graphdef, p, s, rest)
     loss, aux = loss_fn(m, batch, key)
-    return loss, (nnx.state(m, mutable), aux)
+    return loss, (nnx.as_pure(nnx.state(m, mutable)), aux)
 
   def merge(p, s):
     return nnx.merge(graphdef, p, s, rest)

@@ -212,6 +212,7 @@ class DataParallel:
     extra_args: Callable[[Any, Any], dict] | None = None,
     norms: bool = False,
     donate: bool = True,
+    compiler_options: dict | None = None,
     **options: Any,
   ):
     self._check_args(loss_fn, tx, mesh, axis, dense_axis, extra_args)
@@ -237,6 +238,11 @@ class DataParallel:
     self.axis, self.dense_axis = axis, dense_axis
     self.data_axes = (axis,) if dense_axis is None else (axis, dense_axis)
     self.extra_args, self.norms, self._donate = extra_args, norms, donate
+    self._jit = functools.partial(
+      jax.jit,
+      donate_argnums=(0,) if donate else (),
+      compiler_options=compiler_options,
+    )
     self.num_replicas = mesh.shape[axis]
     self.num_devices = math.prod(mesh.shape[a] for a in self.data_axes)
     if self.exchange.name == "int8":
@@ -542,11 +548,10 @@ class DataParallel:
     )
     key = (jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings)))
     if key not in self._programs:
-      self._programs[key] = jax.jit(
+      self._programs[key] = self._jit(
         functools.partial(self._every_step, shardings.params),
         in_shardings=(shardings, self.batch_sharding, None),
         out_shardings=(shardings, self._replicated),
-        donate_argnums=(0,) if self._donate else (),
       )
     return self._programs[key]
 
@@ -569,7 +574,7 @@ class DataParallel:
         in_specs=(specs, batch_spec, mask_spec),
         out_specs=(specs, P()),
       )
-    return jax.jit(fn, donate_argnums=(0,) if self._donate else ())
+    return self._jit(fn)
 
   # -- every-step mode --------------------------------------------------------
 
@@ -831,6 +836,7 @@ def data_parallel(
   extra_args: Callable[[Any, Any], dict] | None = None,
   norms: bool = False,
   donate: bool = True,
+  compiler_options: dict | None = None,
   **options: Any,
 ) -> DataParallel:
   r"""The data-parallel runtime over ``mesh`` (module docstring).
@@ -858,6 +864,7 @@ def data_parallel(
       the replicas' mean ``aux``.
     norms: also return the gradient, update and parameter norms.
     donate: donate the state to the compiled step (in-place update).
+    compiler_options: XLA options of the compiled programs (``jax.jit``'s).
     **options: the exchange's options (:func:`~grpo_optax.training.
       make_exchange`: ``fraction``, ``values``, ``momentum``, ...).
 
@@ -892,6 +899,7 @@ def data_parallel(
     extra_args=extra_args,
     norms=norms,
     donate=donate,
+    compiler_options=compiler_options,
     **options,
   )
 

@@ -81,6 +81,14 @@ class Option:
     """The same option allowing only ``choices`` (a compressor's subset)."""
     return dataclasses.replace(self, choices=tuple(choices))
 
+  def allowed(self) -> str:
+    """The allowed values without the kind: ``in (0, 1]``, ``>= 1``, ..."""
+    if self.kind == "choice":
+      return f"one of {self.choices}"
+    if self.kind == "bool":
+      return "true or false"
+    return self._range()
+
   def _range(self) -> str:
     if self.kind == "int":
       return f">= {int(self.low or 0)}"
