@@ -1,14 +1,17 @@
 """The examples' ``--exchange-*`` flags (examples/common/parallel.py).
 
-Every configuration of ``benchmarks/communication.py``'s held-out quality
-runs parses for both examples and names the library exchange its label says
-(the ``data_parallel_step`` keywords of parts 1-2, plus the warm-up); the
-examples' own ``shard_map`` exchange with those options equals
-``data_parallel_step``'s; bad combinations are argparse errors naming the
-flag; a tiny ResNet run with the compact bf16 all-gather trains, checkpoints
-the whole exchange state and resumes exactly.
+The flags are the compressor registry's options (one flag per declared
+option, ``--exchange``'s choices the registry's names); every configuration
+of ``benchmarks/communication.py``'s held-out quality runs parses for both
+examples and names the library exchange its label says (the
+``data_parallel_step`` keywords of parts 1-2, plus the warm-up); bad
+combinations are argparse errors naming the flag; a tiny ResNet run with the
+compact bf16 all-gather trains, checkpoints the whole runtime state and
+resumes exactly.
 """
 
+import argparse
+import dataclasses
 import os
 import shutil
 
@@ -83,47 +86,60 @@ def test_expectations_cover_every_config():
   assert set(EXPECTED) == set(communication.CONFIGS) == set(GRID_LABEL)
 
 
+def _options(ex):
+  """The exchange's name and option values (the flags' view)."""
+  return {"exchange": ex.name, **ex.options()}
+
+
+def _runtime(ex):
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  return training.data_parallel(
+    lambda p, s, b, k: (jnp.sum(p["w"] * b), (s, None)),
+    optax.sgd(0.1),
+    mesh,
+    exchange=ex,
+  )
+
+
 @pytest.mark.parametrize("name", sorted(communication.CONFIGS))
 @pytest.mark.parametrize("task", sorted(communication.TASKS))
 def test_benchmark_configs_parse_to_the_named_exchange(task, name):
   argv = ["--data-parallel", *communication.config_argv(task, name)]
   args = MAINS[task].parse_args(argv)
-  kwargs = parallel.exchange_kwargs(args)
+  ex = parallel.exchange_of(args)
   want = {**DEFAULTS, **EXPECTED[name]}
   if want["exchange"] in ("all_gather", "shared_support"):
     want["warmup_steps"] = communication.WARMUP[task]
-  assert kwargs == want
+  got = _options(ex)
+  # Every option the exchange takes as named; the others at their default.
+  for key, value in want.items():
+    assert got.get(key, DEFAULTS[key]) == value, key
+    if key not in got:
+      assert value == DEFAULTS[key], key
   # The same exchange as the bytes and step-time parts (but the warm-up).
-  grid = {**DEFAULTS, "chunk_size": communication.CHUNK}
-  grid.update(dict(communication.GRID)[GRID_LABEL[name]])
-  assert {**kwargs, "warmup_steps": 0} == grid
-  # The library takes them as they are.
-  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  grid = dict(communication.GRID)[GRID_LABEL[name]]
+  same = training.make_exchange(
+    **{"chunk_size": communication.CHUNK, **grid}
+    if grid["exchange"] == "shared_support"
+    else grid
+  )
+  assert dataclasses.replace(ex, warmup_steps=0) == same
+  # The library's data_parallel_step takes the flags' keywords as they are.
+  kwargs = {k: v for k, v in got.items() if k != "exchange"}
   dp = training.data_parallel_step(
-    lambda p, b: jnp.sum(p["w"] * b), optax.sgd(0.1), mesh, **kwargs
+    lambda p, b: jnp.sum(p["w"] * b),
+    optax.sgd(0.1),
+    jax.make_mesh((jax.device_count(),), ("data",)),
+    exchange=ex.name,
+    **kwargs,
   )
-  assert (dp.exchange, dp.fraction, dp.chunk_size) == (
-    want["exchange"],
-    want["fraction"],
-    want["chunk_size"],
+  assert dp.runtime.exchange == ex
+  # State beyond the residuals: the warm-up's count, the replicated
+  # support, PowerSGD's Q.
+  assert ex.compressor.stateful == (
+    want["support"] == "replicated" or want["exchange"] == "powersgd"
   )
-  # And so do the examples' replicas.
-  replicas = parallel.make_replicas(args)
-  assert replicas is not None
-  assert (replicas.exchange, replicas.fraction, replicas.chunk_size) == (
-    want["exchange"],
-    want["fraction"],
-    want["chunk_size"],
-  )
-  assert replicas.options == {
-    k: want[k] for k in ("values", "indices", "support", "rank", "warmup_steps")
-  }
-  assert replicas.keeps_state == (
-    want["warmup_steps"] > 0
-    or want["support"] == "replicated"
-    or want["exchange"] == "powersgd"
-  )
-  info = replicas.describe()
+  info = parallel.describe(args, _runtime(ex))
   for key in ("values", "indices", "support", "rank", "warmup_steps"):
     assert info.get(key, DEFAULTS[key]) == want[key]
 
@@ -132,25 +148,40 @@ def test_benchmark_configs_parse_to_the_named_exchange(task, name):
 def test_unset_flags_keep_the_defaults(task):
   for exchange in training.EXCHANGES:
     args = MAINS[task].parse_args(["--data-parallel", "--exchange", exchange])
-    assert parallel.exchange_kwargs(args) == {**DEFAULTS, "exchange": exchange}
-    replicas = parallel.make_replicas(args)
-    assert replicas is not None
-    # Only PowerSGD keeps state by default: its warm-started Q.
-    assert replicas.keeps_state == (exchange == "powersgd")
-    assert set(replicas.describe()) == {
+    ex = parallel.exchange_of(args)
+    assert ex == training.make_exchange(exchange)
+    assert parallel.given_options(args) == {}
+    # Only PowerSGD keeps compressor state by default: its warm-started Q.
+    assert ex.compressor.stateful == (exchange == "powersgd")
+    assert set(parallel.describe(args, _runtime(ex))) == {
       "replicas",
       "processes",
       "exchange",
       "fraction",
     }
-  assert parallel.exchange_kwargs(MAINS[task].parse_args([])) == DEFAULTS
   # Unset, they stay None in the config: a run started before the flags
   # existed resumes.
   args = MAINS[task].parse_args(["--data-parallel", "--exchange", "all_gather"])
-  new = {_attr(flag) for flag, _ in parallel.EXCHANGE_OPTIONS.values()}
+  new = {_attr(parallel._flag(n)) for n in parallel.option_specs()}  # pylint: disable=protected-access
   assert all(getattr(args, name) is None for name in new)
   before = {k: v for k, v in vars(args).items() if k not in new}
   workdir_lib.check_resume_config(before, vars(args), "run")
+
+
+def test_flags_are_the_registrys_options():
+  # One --exchange-<option> flag per option a compressor declares (and the
+  # warm-up), --exchange's choices the registry's names: read, not listed.
+  parser = argparse.ArgumentParser()
+  parallel.add_parallel_flags(parser)
+  actions = {a.dest: a for a in parser._actions}  # pylint: disable=protected-access
+  assert tuple(actions["exchange"].choices) == training.compressors.NAMES
+  options = training.compressors.options()
+  for name, option in options.items():
+    action = actions["exchange_" + name]
+    assert action.default is None
+    assert (tuple(action.choices) if action.choices else ()) == option.choices
+  flags = {d for d in actions if d.startswith("exchange_")}
+  assert flags == {"exchange_" + n for n in [*options, "warmup_steps"]}
 
 
 def _attr(flag):
@@ -245,10 +276,13 @@ def _attr(flag):
         "50",
         "--exchange",
         "shared_support",
+        "--outer-quantize",
+        "int8",
         "--exchange-support",
         "replicated",
       ],
-      "--exchange-support does not apply to --local-steps",
+      "--exchange-support replicated needs --exchange shared_support, got "
+      "--exchange int8 (the int8 outer exchange)",
     ),
   ],
 )
@@ -257,68 +291,6 @@ def test_bad_exchange_flags(capsys, argv, message):
     resnet_main.parse_args(argv)
   assert exit_info.value.code == 2
   assert message in capsys.readouterr().err
-
-
-def test_replicas_exchange_equals_data_parallel_step():
-  # The examples' own shard_map step, carrying the ExchangeState (warm-up
-  # stages, replicated support), against the library's step: 2 SGD steps
-  # on a least-squares loss, one per warm-up stage (0.25, then 0.1).
-  kwargs = {
-    "exchange": "shared_support",
-    "fraction": 0.1,
-    "chunk_size": 2,
-    "values": "bfloat16",
-    "support": "replicated",
-    "warmup_steps": 1,
-  }
-  replicas = parallel.Replicas(
-    kwargs["exchange"],
-    kwargs["fraction"],
-    **{k: v for k, v in kwargs.items() if k not in ("exchange", "fraction")},
-  )
-  assert replicas.keeps_state
-  w = replicas.num_replicas
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(4 * w, 64)).astype(np.float32)
-  y = rng.normal(size=(4 * w,)).astype(np.float32)
-  params = {"w": np.zeros(64, np.float32), "b": np.zeros((), np.float32)}
-
-  def loss_fn(p, batch):
-    xs, ys = batch
-    return jnp.mean((xs @ p["w"] + p["b"] - ys) ** 2)
-
-  def step(p, residual, xs, ys, key):
-    del key
-    grads = jax.grad(loss_fn)(replicas.varying(p), (xs, ys))
-    grads, residual = replicas.exchange_grads(grads, residual)
-    new = jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
-    return new, residual, replicas.mean(loss_fn(p, (xs, ys)))
-
-  run = replicas.jit(step, num_batch_args=2)
-  state = replicas.replicate(params)
-  residual = replicas.init_residual(params)
-  assert isinstance(residual, training.ExchangeState)
-  key = replicas.replicate(jax.random.key(0))
-  dp = training.data_parallel_step(
-    loss_fn, optax.sgd(0.1), replicas.mesh, **kwargs
-  )
-  dp_state = dp.init(params)
-  for _ in range(2):
-    state, residual, _ = run(
-      state, residual, replicas.shard(x), replicas.shard(y), key
-    )
-    dp_state, _ = dp.step(dp_state, (x, y))
-  assert int(residual.count) == int(dp_state.exchange.count) == 2
-  for got, want in zip(
-    jax.tree.leaves(state), jax.tree.leaves(dp_state.params)
-  ):
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
-  for got, want in zip(residual.support, dp_state.exchange.support):
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
-  mine = residual.residual
-  theirs = jax.tree.leaves(dp_state.residual)
-  for got, want in zip(mine, theirs):
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
 
 
 _TINY_RESNET = [
@@ -370,7 +342,7 @@ def test_resnet_all_gather_compact_bf16_trains_and_resumes(tmp_path):
     "warmup_steps": communication.WARMUP["resnet"],
   }
   ckpt = os.path.join(full, "checkpoints", "2")
-  assert {"state", "residual", "exchange"} <= set(os.listdir(ckpt))
+  assert "state" in set(os.listdir(ckpt))
 
   cut = str(tmp_path / "cut")
   shutil.copytree(full, cut)
@@ -384,8 +356,10 @@ def test_resnet_all_gather_compact_bf16_trains_and_resumes(tmp_path):
   restore = lambda d, item: ocp.PyTreeCheckpointer().restore(
     os.path.join(d, "checkpoints", "2", item)
   )
-  for item in ("state", "residual", "exchange"):
-    a, b = restore(full, item), restore(cut, item)
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    jax.tree.map(np.testing.assert_array_equal, a, b)
-  assert int(restore(full, "exchange")["count"]) == 2
+  a, b = restore(full, "state"), restore(cut, "state")
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+  # The whole runtime state: the exchange's residuals and step count too.
+  assert any("exchange_residual" in k for k in a)
+  (count,) = [v for k, v in a.items() if k.endswith("exchange_count")]
+  assert int(count) == 2

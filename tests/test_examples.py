@@ -177,8 +177,9 @@ def test_resnet_grpo_two_steps_and_exact_resume(tmp_path):
 
 
 def test_resnet_data_parallel_sparse_exchange_and_exact_resume(tmp_path):
-  # 8 forced devices, one example per replica; the all-gather exchange's
-  # per-replica residuals are checkpointed, so the resumed run is exact.
+  # 8 forced devices, one example per replica; the runtime's state (the
+  # all-gather exchange's per-replica residuals included) is checkpointed,
+  # so the resumed run is exact.
   _two_steps_then_resume(
     tmp_path,
     resnet_main,
@@ -194,8 +195,9 @@ def test_resnet_data_parallel_sparse_exchange_and_exact_resume(tmp_path):
     "adam",
     "eval_accuracy",
   )
-  residual = os.path.join(tmp_path, "full", "checkpoints", "2", "residual")
-  assert os.path.isdir(residual)
+  # The checkpoint holds the runtime's whole state, the residuals included.
+  saved = _final_state(os.path.join(tmp_path, "full"), 2)
+  assert any("exchange_residual" in name for name in saved)
   with open(os.path.join(tmp_path, "full", "metrics.json")) as f:
     assert json.load(f)["data_parallel"] == {
       "replicas": 8,
@@ -231,8 +233,10 @@ def test_resnet_local_steps_int8_outer_and_exact_resume(tmp_path):
     "adam",
     "eval_accuracy",
   )
-  ckpt = os.path.join(tmp_path, "full", "checkpoints", "2")
-  assert {"state", "residual", "outer"} <= set(os.listdir(ckpt))
+  # Every replica's state, its unsent part and the outer state.
+  saved = _final_state(os.path.join(tmp_path, "full"), 2)
+  for part in ("exchange_residual", "outer_params", "outer_opt_state"):
+    assert any(part in name for name in saved), part
   with open(os.path.join(tmp_path, "full", "metrics.json")) as f:
     info = json.load(f)["data_parallel"]
   assert info["local_steps"] == 1 and info["outer_quantize"] == "int8"

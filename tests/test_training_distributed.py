@@ -21,7 +21,7 @@ import grpo_optax
 from grpo_optax import hlo
 from grpo_optax import training
 from grpo_optax.training import compression
-from grpo_optax.training import distributed
+from grpo_optax.training.compressors import payload
 
 sys.path.insert(0, os.path.dirname(__file__))
 import dp_worker  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -134,13 +134,15 @@ def test_error_feedback_loses_nothing(exchange):
     )
     for _ in range(4)
   ]
+  # chunk_size: the shared support's option (all_gather takes none).
+  chunks = {"chunk_size": 8} if exchange == "shared_support" else {}
   dp = training.data_parallel_step(
     _linear_loss,
     optax.sgd(1.0),
     _mesh(),
     exchange=exchange,
     fraction=0.1,
-    chunk_size=8,
+    **chunks,
   )
   state = dp.init(params)
   for batch in batches:
@@ -164,17 +166,17 @@ def test_error_feedback_loses_nothing(exchange):
     _mesh(),
     exchange=exchange,
     fraction=0.1,
-    chunk_size=8,
     error_feedback=False,
+    **chunks,
   )
   state = lossy.init(params)
   assert state.residual is None
   state, _ = lossy.step(state, batches[0])
   sent = -np.asarray(state.params["w"])
   bound = (
-    W * distributed.num_kept(300, 0.1)
+    W * payload.num_kept(300, 0.1)
     if exchange == "all_gather"
-    else 8 * distributed.num_kept(distributed.num_chunks(300, 8), 0.1)
+    else 8 * payload.num_kept(payload.num_chunks(300, 8), 0.1)
   )
   assert np.count_nonzero(sent) <= bound
   lost = batches[0][0].mean(0) - sent
@@ -187,13 +189,9 @@ def _sizes():
 
 @pytest.mark.parametrize("exchange", ["all_gather", "shared_support"])
 def test_sparse_program_has_no_dense_all_reduce(exchange):
+  chunks = {"chunk_size": 16} if exchange == "shared_support" else {}
   dp = training.data_parallel_step(
-    _loss,
-    optax.adam(1e-2),
-    _mesh(),
-    exchange=exchange,
-    fraction=0.1,
-    chunk_size=16,
+    _loss, optax.adam(1e-2), _mesh(), exchange=exchange, fraction=0.1, **chunks
   )
   state = dp.init(_params())
   compiled = dp.lower(state, _batches(1)[0]).compile()
@@ -203,7 +201,7 @@ def test_sparse_program_has_no_dense_all_reduce(exchange):
   assert 4 * max(_sizes()) > 2 * 1024  # A dense psum would show.
   if exchange == "all_gather":
     assert all(size <= 1024 for kind, size, _ in ops if kind == "all-reduce")
-    k = sum(distributed.num_kept(n, 0.1) for n in _sizes())
+    k = sum(payload.num_kept(n, 0.1) for n in _sizes())
     assert got["all-gather"] == W * k * (4 + 4)  # fp32 values, int32 indices.
   else:
     # Rows of 16 entries over all leaves; the top 10% of them are sent.

@@ -25,6 +25,7 @@ from examples.common import flags
 from examples.common import metrics as metrics_lib
 from examples.common import optim
 from examples.common import parallel
+from examples.common import processes
 from examples.common import workdir as workdir_lib
 
 # Peak learning rates per optimizer (cosine schedule with 5% warm-up).
@@ -118,7 +119,10 @@ def make_forward(*, num_predictions: int, vocab_size: int):
       positions=positions,
     )
     loss, correct = _mlm_metrics(logits, targets)
-    return loss.mean(), {"masked_accuracy": correct.mean(), "entropies": entropies}
+    return loss.mean(), {
+      "masked_accuracy": correct.mean(),
+      "entropies": entropies,
+    }
 
   return forward
 
@@ -162,7 +166,9 @@ def make_train_step(
     }
     return nnx.state((model, optimizer)), metrics
 
-  return jax.jit(train_step, donate_argnums=0, compiler_options=compiler_options)
+  return jax.jit(
+    train_step, donate_argnums=0, compiler_options=compiler_options
+  )
 
 
 def make_eval_step(
@@ -215,9 +221,9 @@ def evaluate(
 
 def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   """Trains BERT as the flags say; returns the dict written to metrics.json."""
-  parallel.initialize(args)  # Before any JAX work (multi-process runs).
+  processes.initialize(args)  # Before any JAX work (multi-process runs).
   start_time = time.time()
-  quiet = args.quiet or not parallel.is_primary()
+  quiet = args.quiet or not processes.is_primary()
   workdir = workdir_lib.Workdir(
     args.workdir,
     resume=args.resume,
@@ -247,20 +253,22 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   )
   num_predictions = input_pipeline.num_predictions(args.seq_len, args.mask_rate)
   options = flags.compiler_options(args)
-  dp, split = parallel.make_runtime(
+  dp, start = parallel.make_runtime(
     args,
+    workdir,
     model,
     make_forward(num_predictions=num_predictions, vocab_size=data.vocab_size),
     tx,
+    step_base,
     extra_args=head_entropy_args if uses_head_entropy(args) else None,
-    options=options,
+    compiler_options=options,
   )
   graphdef, state = nnx.split((model, optimizer))
   if dp is None:
     start_step, history = workdir.restore(model, optimizer)
     state = nnx.state((model, optimizer))
   else:
-    start_step, history, state = parallel.place(workdir, dp, split, step_base)
+    start_step, history, state = start
   if start_step > args.steps:
     raise ValueError(
       f"the checkpoint in {args.workdir} is at step "
@@ -331,12 +339,14 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
           f"accuracy {eval_acc:.4f}"
         )
     if workdir.should_checkpoint(done, evaluated=evaluated, last=last):
-      nnx.update((model, optimizer), parallel.single_device(dp, state, model, optimizer))
+      nnx.update(
+        (model, optimizer), parallel.single_device(dp, state, model, optimizer)
+      )
       workdir.log_optimizer(done, optimizer)
       if dp is None:
         workdir.save(done, model, optimizer, history)
       else:
-        parallel.save(workdir, done, history, state)
+        workdir.save_state(done, state, history)
   bar.close()
 
   state = parallel.single_device(dp, state, model, optimizer)

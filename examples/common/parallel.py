@@ -2,15 +2,13 @@
 
 The training step is the library's runtime, :func:`grpo_optax.training.
 data_parallel`: BatchNorm statistics, metrics, a PRNG key per replica, the
-exchange and local steps (``--local-steps H``, DiLoCo) all live there. This
-module only turns flags into it: ``--exchange`` takes the registry's names
-and one ``--exchange-<option>`` flag exists per option the compressors
-declare (:func:`grpo_optax.training.compressors.options`), plus the sparsity
+exchange and local steps (``--local-steps H``, DiLoCo) live there. This
+module turns flags into it: ``--exchange`` takes the registry's names, and
+one ``--exchange-<option>`` flag exists per option the compressors declare
+(:func:`grpo_optax.training.compressors.options`), plus the sparsity
 warm-up. One replica per device of a 1-D mesh over every device of every
-process; ``--num-processes N`` joins the processes first
-(:func:`jax.distributed.initialize`, gloo collectives on CPU; see
-``examples/launch_multiprocess.py``), ``--distributed auto`` without
-arguments (SLURM, Kubernetes, Cloud TPU).
+process (:mod:`examples.common.processes` joins them first). Checkpoints hold
+the runtime's whole state (``Workdir.save_state``).
 """
 
 from __future__ import annotations
@@ -21,13 +19,28 @@ from typing import Any
 import jax
 from flax import nnx
 
+from examples.common import processes
 from grpo_optax import training
-from grpo_optax.training import checkpointing
 from grpo_optax.training import compressors
 
 AXIS = "data"
 #: The exchange's own options given a flag, beside the compressors'.
 PIPELINE_FLAGS = ("warmup_steps",)
+#: The other flags: name -> argparse keywords.
+_FLAGS = {
+  "--local-steps": dict(
+    type=int,
+    default=0,
+    help="DiLoCo: H steps per replica between outer exchanges (0: none).",
+  ),
+  "--outer-lr": dict(type=float, default=0.7, help="Outer Nesterov SGD lr."),
+  "--outer-momentum": dict(type=float, default=0.9, help="Its momentum."),
+  "--outer-quantize": dict(
+    choices=("none", "int8"),
+    default="none",
+    help="Payload of the outer exchange (--local-steps): float or int8.",
+  ),
+}
 
 
 def _flag(name: str) -> str:
@@ -35,7 +48,7 @@ def _flag(name: str) -> str:
 
 
 def option_specs() -> dict[str, compressors.Option]:
-  """The ``--exchange-*`` options: the compressors' and :data:`PIPELINE_FLAGS`."""
+  """The ``--exchange-*`` options: the compressors' and the warm-up."""
   pipeline = {o.name: o for o in training.exchange.PIPELINE_OPTIONS}
   return {**compressors.options(), **{n: pipeline[n] for n in PIPELINE_FLAGS}}
 
@@ -48,39 +61,32 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     "exchange gradients; e.g. XLA_FLAGS="
     "--xla_force_host_platform_device_count=8 on CPU.",
   )
-  add = group.add_argument
-  add("--data-parallel", action="store_true", help="Train over all devices.")
-  add(
+  group.add_argument("--data-parallel", action="store_true")
+  group.add_argument(
     "--exchange",
     choices=compressors.NAMES,
     default=None,
-    help="Exchange between replicas (default: dense); docs/communication.md.",
+    help="Exchange between the replicas (default: dense); see "
+    "docs/communication.md.",
   )
   for name, o in option_specs().items():
-    kind = {"int": int, "float": float}.get(o.kind, str)
-    choices = o.choices or None
-    add(_flag(name), type=kind, choices=choices, default=None,
-        help=f"{o.help} (default: {o.default}).")  # fmt: skip
-  add("--local-steps", type=int, default=0, metavar="H",
-      help="Local-step (DiLoCo) training: H steps per replica between outer "
-      "exchanges of the parameter change (0: exchange every step).")  # fmt: skip
-  add("--outer-lr", type=float, default=0.7, help="Outer Nesterov SGD lr.")
-  add("--outer-momentum", type=float, default=0.9, help="Its momentum.")
-  add("--outer-quantize", choices=("none", "int8"), default="none",
-      help="Payload of the outer exchange: float, or int8.")  # fmt: skip
-  add("--distributed", choices=("flags", "auto"), default="flags",
-      help="flags: --coordinator-address/--num-processes/--process-id; "
-      "auto: jax.distributed.initialize() without arguments.")  # fmt: skip
-  add("--coordinator-address", default=None, help="host:port of process 0.")
-  add("--num-processes", type=int, default=1)
-  add("--process-id", type=int, default=0)
+    group.add_argument(
+      _flag(name),
+      type={"int": int, "float": float}.get(o.kind, str),
+      choices=o.choices or None,
+      default=None,
+      help=f"{o.help} (default: {o.default}).",
+    )
+  for flag, kwargs in _FLAGS.items():
+    group.add_argument(flag, **kwargs)
+  processes.add_flags(group)
 
 
 def _compressor(args: argparse.Namespace) -> str:
   """The compressor the exchange runs (local steps' int8 payload: int8)."""
-  return "int8" if args.local_steps and args.outer_quantize == "int8" else (
-    args.exchange
-  )
+  if args.local_steps and args.outer_quantize == "int8":
+    return "int8"
+  return args.exchange
 
 
 def given_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -95,105 +101,78 @@ def check_parallel_args(
   """Rejects inconsistent flags with ``parser.error``, naming the flag."""
   given = given_options(args)
   if not args.data_parallel:
-    for flag in ["--exchange"] * (args.exchange is not None) + [
-      _flag(n) for n in given
-    ]:
+    named = ["--exchange"] if args.exchange else []
+    for flag in named + [_flag(n) for n in given]:
       parser.error(f"{flag} needs --data-parallel")
-    if args.num_processes != 1 or args.distributed != "flags":
-      parser.error("--num-processes and --distributed need --data-parallel")
     if args.local_steps:
       parser.error("--local-steps needs --data-parallel")
   args.exchange = args.exchange or "dense"
-  _check_local_steps(parser, args)
+  for error in processes.errors(args) + _local_step_errors(args):
+    parser.error(error)
   name, specs = _compressor(args), option_specs()
   for opt, value in given.items():
     try:
       specs[opt].check(value)
     except ValueError:
       parser.error(f"{_flag(opt)} must be {specs[opt].allowed()}, got {value}")
-    alts = compressors.takers("fraction" if opt in PIPELINE_FLAGS else opt, value)
+    alts = compressors.takers(
+      "fraction" if opt in PIPELINE_FLAGS else opt, value
+    )
     if name not in alts:
       via = " (the int8 outer exchange)" if name != args.exchange else ""
       parser.error(
         f"{_flag(opt)} {value} needs --exchange {' or '.join(alts)}, got "
         f"--exchange {name}{via}"
       )
-  if args.num_processes < 1:
-    parser.error(f"--num-processes must be >= 1, got {args.num_processes}")
-  if not 0 <= args.process_id < args.num_processes:
-    parser.error(
-      f"--process-id must be in [0, {args.num_processes}), got "
-      f"{args.process_id}"
-    )
-  if args.num_processes > 1 and not args.coordinator_address:
-    parser.error("--num-processes > 1 needs --coordinator-address")
   try:
     exchange_of(args)
   except (TypeError, ValueError) as e:
     parser.error(f"invalid --exchange flags: {e}")
 
 
-def _check_local_steps(parser, args) -> None:
+def _local_step_errors(args: argparse.Namespace) -> list[str]:
   h = args.local_steps
   if h < 0:
-    parser.error(f"--local-steps must be >= 0, got {h}")
+    return [f"--local-steps must be >= 0, got {h}"]
   if not h:
-    if args.outer_quantize != "none":
-      parser.error("--outer-quantize needs --local-steps")
-    return
+    bad = args.outer_quantize != "none"
+    return ["--outer-quantize needs --local-steps"] if bad else []
+  errors = []
   if not args.outer_lr > 0:
-    parser.error(f"--outer-lr must be > 0, got {args.outer_lr}")
+    errors.append(f"--outer-lr must be > 0, got {args.outer_lr}")
   if not 0 <= args.outer_momentum < 1:
-    parser.error(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
-  if args.outer_quantize == "int8" and args.exchange not in (
-    "dense",
-    "shared_support",
-  ):
-    parser.error("--outer-quantize int8 needs --exchange dense or shared_support")
-  for flag in ("eval_every", "checkpoint_every"):
-    if getattr(args, flag) % h:
-      parser.error(
-        f"--{flag.replace('_', '-')} must be a multiple of --local-steps {h} "
+    errors.append(
+      f"--outer-momentum must be in [0, 1), got {args.outer_momentum}"
+    )
+  summed = ("dense", "shared_support")
+  if args.outer_quantize == "int8" and args.exchange not in summed:
+    errors.append(
+      "--outer-quantize int8 needs --exchange dense or shared_support"
+    )
+  for name in ("eval_every", "checkpoint_every"):
+    if getattr(args, name) % h:
+      errors.append(
+        f"--{name.replace('_', '-')} must be a multiple of --local-steps {h} "
         f"(evaluations and checkpoints fall on outer steps), got "
-        f"{getattr(args, flag)}"
+        f"{getattr(args, name)}"
       )
+  return errors
 
 
 def exchange_of(args: argparse.Namespace) -> training.Exchange:
   """The :class:`~grpo_optax.training.Exchange` the (checked) flags name."""
   options = given_options(args)
-  if _compressor(args) == "int8":  # dense: every chunk; else the top ones.
-    if args.exchange == "dense":
-      options["fraction"] = 1.0
-    return training.make_exchange("int8", **options)
-  return training.make_exchange(args.exchange, **options)
+  if _compressor(args) == "int8" and args.exchange == "dense":
+    options["fraction"] = 1.0  # Every chunk (else the top ones of a leaf).
+  return training.make_exchange(_compressor(args), **options)
 
 
-def initialize(args: argparse.Namespace) -> None:
-  """Joins the other processes (``jax.distributed``), before any JAX work."""
-  if args.num_processes > 1 or args.distributed == "auto":
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  if args.distributed == "auto":
-    jax.distributed.initialize()
-  elif args.num_processes > 1:
-    jax.distributed.initialize(
-      args.coordinator_address,
-      num_processes=args.num_processes,
-      process_id=args.process_id,
-    )
-
-
-def is_primary() -> bool:
-  """Whether this process prints (process 0)."""
-  return jax.process_index() == 0
-
-
-def make_runtime(args, model, forward, tx, *, extra_args=None, options=None):
-  """``(runtime, split)`` of ``--data-parallel``, or ``(None, None)``.
-
-  ``forward(model, batch, key) -> (loss, aux)`` is the example's loss on a
-  replica's share; ``split`` is its :class:`~grpo_optax.training._nnx.
-  StatefulModel` (the parameters and the BatchNorm statistics).
+def make_runtime(args, workdir, model, forward, tx, key, **kwargs):
+  """``(runtime, (step, history, state))`` of ``--data-parallel`` (else
+  ``(None, None)``): ``forward(model, batch, key) -> (loss, aux)`` on a
+  replica's share runs in the runtime (``kwargs``: its ``extra_args`` and
+  ``compiler_options``); the state is fresh, or when resuming the latest
+  checkpoint's, laid out the same on the mesh.
   """
   if not args.data_parallel:
     return None, None
@@ -212,30 +191,11 @@ def make_runtime(args, model, forward, tx, *, extra_args=None, options=None):
     exchange=exchange_of(args),
     local_steps=args.local_steps,
     outer_tx=outer if args.local_steps else None,
-    extra_args=extra_args,
     norms=True,
-    compiler_options=options,
+    **kwargs,
   )
-  return dp, split
-
-
-def place(workdir, dp, split, key):
-  """``(step, history, state)``: a fresh runtime state, or when resuming the
-  latest checkpoint's, laid out the same on the mesh.
-  """
   state = dp.init(split.params, split.model_state, key=key)
-  like = {"state": checkpointing.to_savable(state)}
-  step, history, items = workdir.restore_items(like)
-  if step:
-    state = checkpointing.from_savable(dict(items["state"]), state)
-  return step, history, state
-
-
-def save(workdir, step: int, history: dict, state) -> None:
-  """Checkpoint ``step``: the whole runtime state (every process writes the
-  shards of its devices).
-  """
-  workdir.save_items(step, {"state": checkpointing.to_savable(state)}, history)
+  return dp, workdir.restore_state(state)
 
 
 def train_step(dp, state, batch, done: int, args: argparse.Namespace):
@@ -261,14 +221,14 @@ def single_device(dp, state, model, optimizer) -> Any:
   variables = jax.tree.leaves(
     optimizer.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
   )
-  for var, value in zip(variables, jax.tree.leaves(view.opt_state), strict=True):
-    var.value = value
+  for var, value in zip(variables, jax.tree.leaves(view.opt_state)):
+    var.set_value(value)
   return nnx.state((model, optimizer))
 
 
 def describe(args: argparse.Namespace, dp) -> dict[str, Any]:
   """The data-parallel configuration for ``metrics.json``."""
-  config = dp.exchange.options()
+  config, specs = dp.exchange.options(), option_specs()
   info = {
     "replicas": dp.num_replicas,
     "processes": jax.process_count(),
@@ -281,13 +241,10 @@ def describe(args: argparse.Namespace, dp) -> dict[str, Any]:
       outer_lr=args.outer_lr,
       outer_momentum=args.outer_momentum,
       outer_quantize=None if args.outer_quantize == "none" else "int8",
-      chunk_size=config.get("chunk_size", 64),
+      chunk_size=config.get("chunk_size", specs["chunk_size"].default),
     )
-  specs = option_specs()
-  info.update(
-    (k, v)
-    for k, v in config.items()
-    if k in specs and k not in ("fraction", "chunk_size")
-    and v != specs[k].default
-  )  # fmt: skip
+  skip = ("fraction", "chunk_size")
+  for k, v in config.items():
+    if k in specs and k not in skip and v != specs[k].default:
+      info[k] = v
   return info

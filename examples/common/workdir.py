@@ -13,6 +13,7 @@ from flax import nnx
 from examples.common import checkpointing
 from examples.common import metrics as metrics_lib
 from examples.common import plotting
+from grpo_optax.training import checkpointing as checkpointing_lib
 
 METRICS_FILE = "metrics.json"
 PLOT_FILE = "loss_curves.png"
@@ -185,6 +186,25 @@ class Workdir:
       return 0, new_history(), like
     items, history = self._checkpointer.restore_items(step, like)
     return step, history, items
+
+  def save_state(self, step: int, state: Any, history: dict) -> None:
+    """Checkpoint ``step`` of a data-parallel runtime's whole state
+    (:mod:`grpo_optax.training.checkpointing`; every process writes the
+    shards of its devices).
+    """
+    self.save_items(
+      step, {"state": checkpointing_lib.to_savable(state)}, history
+    )
+
+  def restore_state(self, state: Any) -> tuple[int, dict[str, list], Any]:
+    """``(step, history, state)`` of the latest checkpoint when resuming,
+    laid out as ``state`` (a fresh ``init``), else ``(0, new, state)``.
+    """
+    like = {"state": checkpointing_lib.to_savable(state)}
+    step, history, items = self.restore_items(like)
+    if step:
+      state = checkpointing_lib.from_savable(dict(items["state"]), state)
+    return step, history, state
 
   def log_optimizer(self, step: int, optimizer: nnx.Optimizer) -> None:
     """TensorBoard scalars/histograms of ``grpo_optax.metrics`` (if any)."""

@@ -19,6 +19,7 @@ from examples.common import flags
 from examples.common import metrics as metrics_lib
 from examples.common import optim
 from examples.common import parallel
+from examples.common import processes
 from examples.common import workdir as workdir_lib
 from examples.resnet_cifar10 import input_pipeline
 from examples.resnet_cifar10 import models
@@ -102,7 +103,9 @@ def make_train_step(
     }
     return nnx.state((model, optimizer)), metrics
 
-  return jax.jit(train_step, donate_argnums=0, compiler_options=compiler_options)
+  return jax.jit(
+    train_step, donate_argnums=0, compiler_options=compiler_options
+  )
 
 
 def make_eval_step(
@@ -138,9 +141,9 @@ def evaluate(
 
 def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   """Trains a ResNet as the flags say; returns the dict written to metrics.json."""
-  parallel.initialize(args)  # Before any JAX work (multi-process runs).
+  processes.initialize(args)  # Before any JAX work (multi-process runs).
   start_time = time.time()
-  quiet = args.quiet or not parallel.is_primary()
+  quiet = args.quiet or not processes.is_primary()
   workdir = workdir_lib.Workdir(
     args.workdir,
     resume=args.resume,
@@ -161,15 +164,21 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     init_key,
   )
   options = flags.compiler_options(args)
-  dp, split = parallel.make_runtime(
-    args, model, make_forward(augment), tx, options=options
+  dp, start = parallel.make_runtime(
+    args,
+    workdir,
+    model,
+    make_forward(augment),
+    tx,
+    step_base,
+    compiler_options=options,
   )
   graphdef, state = nnx.split((model, optimizer))
   if dp is None:
     start_step, history = workdir.restore(model, optimizer)
     state = nnx.state((model, optimizer))
   else:
-    start_step, history, state = parallel.place(workdir, dp, split, step_base)
+    start_step, history, state = start
   if start_step > args.steps:
     raise ValueError(
       f"the checkpoint in {args.workdir} is at step "
@@ -198,7 +207,9 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
       key = data_lib.step_key(step_base, step)
       state, metrics = train_step(state, images, labels, key)
     else:
-      state, metrics = parallel.train_step(dp, state, (images, labels), done, args)
+      state, metrics = parallel.train_step(
+        dp, state, (images, labels), done, args
+      )
     metrics = jax.device_get(metrics)
     history["train_loss"].append([done, float(metrics["loss"])])
     now = time.time()
@@ -229,12 +240,14 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
           f"step {done}: held-out loss {eval_loss:.4f}, accuracy {eval_acc:.4f}"
         )
     if workdir.should_checkpoint(done, evaluated=evaluated, last=last):
-      nnx.update((model, optimizer), parallel.single_device(dp, state, model, optimizer))
+      nnx.update(
+        (model, optimizer), parallel.single_device(dp, state, model, optimizer)
+      )
       workdir.log_optimizer(done, optimizer)
       if dp is None:
         workdir.save(done, model, optimizer, history)
       else:
-        parallel.save(workdir, done, history, state)
+        workdir.save_state(done, state, history)
   bar.close()
 
   state = parallel.single_device(dp, state, model, optimizer)

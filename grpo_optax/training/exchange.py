@@ -479,6 +479,7 @@ def sparse_pmean(
   means, state = ex.run_leaves(leaves, state, treedef, axis_name)
   return treedef.unflatten(means), state.residual
 
+
 __all__ = (
   "EXCHANGES",
   "PER_REPLICA",

@@ -220,7 +220,9 @@ def outer_step(
     :math:`e_i` (None without error feedback or for a lossless exchange);
     the next round starts at ``new_outer_params - unsent``.
   """
-  ex = outer_exchange_of(exchange, fraction, chunk_size, quantize, error_feedback)
+  ex = outer_exchange_of(
+    exchange, fraction, chunk_size, quantize, error_feedback
+  )
   if ex.compressor.stateful:
     raise ValueError(
       f"outer_step starts each exchange afresh; the {ex.name!r} exchange "
@@ -244,7 +246,12 @@ def outer_step(
     outer_tx=outer_tx,
     participate=participate,
   )
-  return res.outer.params, res.outer.opt_state, res.exchange.residual, res.reporting
+  return (
+    res.outer.params,
+    res.outer.opt_state,
+    res.exchange.residual,
+    res.reporting,
+  )
 
 
 class LocalStepsState(NamedTuple):
@@ -353,7 +360,12 @@ class LocalSteps:
       axis=axis,
       donate=donate,
     )
-    self.loss_fn, self.tx, self.outer_tx, self.mesh = loss_fn, tx, outer_tx, mesh
+    self.loss_fn, self.tx, self.outer_tx, self.mesh = (
+      loss_fn,
+      tx,
+      outer_tx,
+      mesh,
+    )
     self.axis, self.exchange, self.quantize = axis, exchange, quantize
     self.fraction, self.chunk_size = fraction, chunk_size
     self._donate = donate
@@ -362,7 +374,13 @@ class LocalSteps:
     rep = NamedSharding(mesh, P())
     per = NamedSharding(mesh, P(axis))
     train = runtime.TrainState(
-      per, per, None, exchange_lib.ExchangeState(per, per, rep, rep), None, rep, rep
+      per,
+      per,
+      None,
+      exchange_lib.ExchangeState(per, per, rep, rep),
+      None,
+      rep,
+      rep,
     )
     self._to_train = {
       d: jax.jit(

@@ -144,7 +144,9 @@ def outer_exchange(
     outer,
   )
   # A round nobody reports changes no state of the exchange either.
-  new = where(reported, new._replace(residual=None), state._replace(residual=None))
+  new = where(
+    reported, new._replace(residual=None), state._replace(residual=None)
+  )
   start = (
     new_outer.params
     if unsent is None

@@ -134,9 +134,7 @@ def split_leading(
   for x in jax.tree.leaves(tree):
     shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
     if len(shape) <= axis or shape[axis] % divisor:
-      raise ValueError(
-        f"{what}; got a leaf of shape {shape}."
-      )
+      raise ValueError(f"{what}; got a leaf of shape {shape}.")
   return jax.tree.map(lambda x: to_global(x, sharding), tree)
 
 

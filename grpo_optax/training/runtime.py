@@ -374,11 +374,17 @@ class DataParallel:
     params = placement.own(params, rep(params), self._donate)
     model_state = placement.own(model_state, rep(model_state), self._donate)
     outer = jax.jit(
-      lambda p: outer_lib.OuterState(jax.tree.map(jnp.copy, p), self.outer_tx.init(p)),  # type: ignore[union-attr]
+      lambda p: outer_lib.OuterState(
+        jax.tree.map(jnp.copy, p), self.outer_tx.init(p)
+      ),  # type: ignore[union-attr]
       out_shardings=self._replicated,
     )(params)
     replicas = jax.jit(
-      lambda p, s: (self._stack(p), self._stack(self.tx.init(p)), self._stack(s)),
+      lambda p, s: (
+        self._stack(p),
+        self._stack(self.tx.init(p)),
+        self._stack(s),
+      ),
       out_shardings=self._per_replica,
     )
     p, opt, ms = replicas(params, model_state)
@@ -511,9 +517,7 @@ class DataParallel:
 
   def _need_local(self, what: str) -> None:
     if not self.local_steps:
-      raise ValueError(
-        f"`{what}` needs local-step mode (`local_steps` > 0)."
-      )
+      raise ValueError(f"`{what}` needs local-step mode (`local_steps` > 0).")
 
   def _state_specs(self) -> TrainState:
     ex = exchange_lib.state_specs(self.axis)
@@ -620,9 +624,13 @@ class DataParallel:
     )(params, model_state, batch, self._replica_key(key, count))
     if self._pre_axis is not None:  # Within a node: dense and fast.
       grads = jax.lax.pmean(grads, self._pre_axis)
-    local = ex._replace(residual=_first(ex.residual), velocity=_first(ex.velocity))
+    local = ex._replace(
+      residual=_first(ex.residual), velocity=_first(ex.velocity)
+    )
     grads, local = self.exchange(grads, local, self._exchange_axes)
-    ex = local._replace(residual=_lead(local.residual), velocity=_lead(local.velocity))
+    ex = local._replace(
+      residual=_lead(local.residual), velocity=_lead(local.velocity)
+    )
     model_state = replica_mean(model_state, self.data_axes)
     loss, aux = replica_mean((loss, aux), self.data_axes)
     return grads, model_state, ex, loss, aux
@@ -684,13 +692,17 @@ class DataParallel:
     else:  # The mean over the replicas that report (if any).
       k = jnp.maximum(res.reporting, 1.0)
       shared = jax.tree.map(
-        lambda x: jnp.where(
-          res.reporting > 0,
-          (jax.lax.psum(x * m.astype(x.dtype), self.axis) / k).astype(x.dtype),
-          x,
-        )
-        if jnp.issubdtype(x.dtype, jnp.inexact)
-        else x,
+        lambda x: (
+          jnp.where(
+            res.reporting > 0,
+            (jax.lax.psum(x * m.astype(x.dtype), self.axis) / k).astype(
+              x.dtype
+            ),
+            x,
+          )
+          if jnp.issubdtype(x.dtype, jnp.inexact)
+          else x
+        ),
         model_state,
       )
     if inner_start is not None:  # A missing replica's round is lost.
@@ -751,7 +763,12 @@ class DataParallel:
       params, opt_state, model_state, out = self._inner(
         params, opt_state, model_state, state.key, count, batch
       )
-      return (params, opt_state, model_state, _common.safe_increment(count)), out
+      return (
+        params,
+        opt_state,
+        model_state,
+        _common.safe_increment(count),
+      ), out
 
     carry = (params, opt_state, model_state, state.count)
     (params, opt_state, model_state, count), outs = jax.lax.scan(

@@ -92,9 +92,13 @@ def make(exchange: Any, **given: Any) -> Compressor:
   kwargs = {}
   for name, value in given.items():
     if name not in known:
-      raise TypeError(f"no exchange takes the option `{name}`; options: {tuple(known)}.")
+      raise TypeError(
+        f"no exchange takes the option `{name}`; options: {tuple(known)}."
+      )
     value = known[name].check(value)
-    ok = name in mine and (not mine[name].choices or value in mine[name].choices)
+    ok = name in mine and (
+      not mine[name].choices or value in mine[name].choices
+    )
     if ok:
       kwargs[name] = value
       continue

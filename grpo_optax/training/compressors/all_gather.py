@@ -195,9 +195,7 @@ class AllGather(base.Compressor):
 
   def payload_bytes(self, shapes, num_replicas):
     del num_replicas
-    return sum(
-      self.layout(math.prod(s)).nbytes for s in shapes if math.prod(s)
-    )
+    return sum(self.layout(math.prod(s)).nbytes for s in shapes if math.prod(s))
 
 
 __all__ = ("BLOCK", "INDICES", "AllGather", "Layout")

@@ -114,9 +114,7 @@ class Option:
     Raises:
       ValueError: naming the option, what it allows and the value given.
     """
-    bad = ValueError(
-      f"`{self.name}` must be {self.describe()}, got {value!r}."
-    )
+    bad = ValueError(f"`{self.name}` must be {self.describe()}, got {value!r}.")
     if self.kind == "choice":
       if value not in self.choices:
         raise bad
@@ -135,7 +133,9 @@ class Option:
       raise bad from None
     if math.isnan(v):
       raise bad
-    if self.low is not None and (v <= self.low if self.low_open else v < self.low):
+    if self.low is not None and (
+      v <= self.low if self.low_open else v < self.low
+    ):
       raise bad
     if self.high is not None and (
       v >= self.high if self.high_open else v > self.high
@@ -248,8 +248,7 @@ class Compressor(abc.ABC):
 
   def __eq__(self, other: object) -> bool:
     return (
-      type(other) is type(self)
-      and other._values == self._values  # type: ignore[attr-defined]
+      type(other) is type(self) and other._values == self._values  # type: ignore[attr-defined]
     )
 
   def __hash__(self) -> int:
