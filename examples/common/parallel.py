@@ -22,6 +22,7 @@ from flax import nnx
 from examples.common import processes
 from grpo_optax import training
 from grpo_optax.training import compressors
+from grpo_optax.training.local_steps import INT8_OUTER
 
 AXIS = "data"
 #: The exchange's own options given a flag, beside the compressors'.
@@ -144,8 +145,7 @@ def _local_step_errors(args: argparse.Namespace) -> list[str]:
     errors.append(
       f"--outer-momentum must be in [0, 1), got {args.outer_momentum}"
     )
-  summed = ("dense", "shared_support")
-  if args.outer_quantize == "int8" and args.exchange not in summed:
+  if args.outer_quantize == "int8" and args.exchange not in INT8_OUTER:
     errors.append(
       "--outer-quantize int8 needs --exchange dense or shared_support"
     )

@@ -156,6 +156,17 @@ PIPELINE_OPTIONS = (
 )
 
 
+def options_table() -> str:
+  """The registry's exchanges and options, then :data:`PIPELINE_OPTIONS`, as
+  the Markdown tables of ``docs/communication.md``.
+  """
+  rows = ["", "| option of every exchange | allowed | default | what |"]
+  rows.append("|---|---|---|---|")
+  for o in PIPELINE_OPTIONS:
+    rows.append(f"| `{o.name}` | {o.allowed()} | {o.default!r} | {o.help} |")
+  return compressors.markdown_table() + "\n".join(rows) + "\n"
+
+
 def warmup_fractions(fraction: float) -> tuple[float, ...]:
   r"""The kept fractions of Deep Gradient Compression's sparsity warm-up.
 
@@ -488,6 +499,7 @@ __all__ = (
   "ExchangeState",
   "init_exchange",
   "make_exchange",
+  "options_table",
   "sparse_pmean",
   "state_specs",
   "warmup_fractions",

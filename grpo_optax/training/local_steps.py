@@ -89,6 +89,9 @@ AxisName = Any
 
 #: Payload formats of the outer exchange: float (``None``) or ``"int8"``.
 QUANTIZE = (None, "int8")
+#: The float exchanges ``quantize="int8"`` replaces by the int8 compressor
+#: (over every chunk, or the top chunks of each leaf).
+INT8_OUTER = ("dense", "shared_support")
 
 
 def outer_exchange_of(
@@ -116,7 +119,7 @@ def outer_exchange_of(
   fraction = known["fraction"].check(fraction)
   chunk_size = known["chunk_size"].check(chunk_size)
   if quantize is not None:
-    if exchange not in ("dense", "shared_support"):
+    if exchange not in INT8_OUTER:
       raise ValueError(
         "`quantize='int8'` needs `exchange` 'dense' or "
         f"'shared_support' (a summed payload), got {exchange!r}."
@@ -577,6 +580,7 @@ def round_traffic_per_step(compiled: Any, local_steps: int) -> float:
 
 
 __all__ = (
+  "INT8_OUTER",
   "QUANTIZE",
   "LocalSteps",
   "LocalStepsState",

@@ -245,10 +245,7 @@ class DataParallel:
     )
     self.num_replicas = mesh.shape[axis]
     self.num_devices = math.prod(mesh.shape[a] for a in self.data_axes)
-    if self.exchange.name == "int8":
-      from grpo_optax.training.compressors import int8  # pylint: disable=g-import-not-at-top
-
-      int8.int8_levels(self.num_replicas)
+    self.exchange.compressor.check_replicas(self.num_replicas)
     # A lossless exchange without DGC's momentum or clipping is one
     # collective over every data axis; the others average within a node
     # first, then exchange across the nodes.

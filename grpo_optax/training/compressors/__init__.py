@@ -127,6 +127,49 @@ __all__ = (
   "dense",
   "int8",
   "make",
+  "markdown_table",
+  "options",
+  "powersgd",
+  "shared_support",
+  "takers",
+)
+
+
+def markdown_table() -> str:
+  """The exchanges and their options as Markdown (``docs/communication.md``
+  includes it, via :func:`grpo_optax.training.exchange.options_table`; a
+  test checks the page against the registry).
+  """
+  rows = ["| exchange | module | options (default) |", "|---|---|---|"]
+  for name, cls in REGISTRY.items():
+    opts = ", ".join(f"`{o.name}` ({o.default!r})" for o in cls.options)
+    module = cls.__module__.replace(".", "/") + ".py"
+    rows.append(f"| `{name}` | `{module}` | {opts or '—'} |")
+  rows += ["", "| option | allowed | taken by | what |", "|---|---|---|---|"]
+  for name, o in options().items():
+    who = []
+    for cls in REGISTRY.values():
+      for mine in cls.options:
+        if mine.name == name:
+          only = mine.choices != o.choices
+          who.append(f"`{cls.name}`" + (f" {mine.choices}" if only else ""))
+    rows.append(f"| `{name}` | {o.allowed()} | {', '.join(who)} | {o.help} |")
+  return "\n".join(rows) + "\n"
+
+
+__all__ = (
+  "NAMES",
+  "REGISTRY",
+  "Compressor",
+  "Decompressed",
+  "Option",
+  "Payload",
+  "all_gather",
+  "base",
+  "dense",
+  "int8",
+  "make",
+  "markdown_table",
   "options",
   "powersgd",
   "shared_support",

@@ -87,6 +87,8 @@ class Option:
       return f"one of {self.choices}"
     if self.kind == "bool":
       return "true or false"
+    if self.kind == "optional_float":
+      return f"None or {self._range()}"
     return self._range()
 
   def _range(self) -> str:
@@ -276,6 +278,12 @@ class Compressor(abc.ABC):
   def replace(self, **changes: Any) -> Compressor:
     """A copy with some options changed (e.g. a warm-up stage's fraction)."""
     return type(self)(**{**self.config, **changes})
+
+  def check_replicas(self, num_replicas: int) -> None:
+    """Raises ``ValueError`` if the compressor cannot serve ``num_replicas``
+    replicas (checked when a step is built).
+    """
+    del num_replicas
 
   # -- the five parts ---------------------------------------------------------
 

@@ -51,6 +51,9 @@ class Int8(base.Compressor):
   fraction: float
   chunk_size: int
 
+  def check_replicas(self, num_replicas):
+    int8_levels(num_replicas)
+
   def _selects(self, sizes) -> bool:
     """Whether some leaf sends fewer than all its chunks."""
     return any(
