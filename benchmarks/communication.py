@@ -54,9 +54,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from grpo_optax import hlo
 from grpo_optax import training
 from grpo_optax.training import compression
-from grpo_optax.training import distributed
 
 COMMAND = "python -m benchmarks.communication"
 
@@ -250,7 +250,7 @@ def payload_bytes(
     return [("all-reduce", 4 * sum(sizes))]
   if ex == "all_gather":
     per = sum(
-      compression._Layout(n, f, values, kw.get("indices", "int32")).nbytes  # pylint: disable=protected-access
+      compression.Layout(n, f, values, kw.get("indices", "int32")).nbytes
       for n in sizes
       if n
     )
@@ -285,7 +285,7 @@ def modelled_traffic(shapes, kw, groups: tuple[int, ...]) -> float:
   ``groups`` = (W,) for a flat mesh, or (nodes, per_node): a dense fp32
   all-reduce within each node, then the exchange across nodes.
   """
-  ring = distributed.ring_send_bytes
+  ring = hlo.ring_send_bytes
   total = ring("all-reduce", 4, math.prod(groups))
   if kw["exchange"] == "dense":
     return total + ring(
@@ -351,7 +351,7 @@ def measure_bytes(
       by_group: dict[str, float] = {}
       for kind, size, group in ops:
         by_group[str(group)] = by_group.get(str(group), 0.0) + (
-          distributed.ring_send_bytes(kind, size, group)
+          hlo.ring_send_bytes(kind, size, group)
         )
       model_ring = modelled_traffic(
         shapes, kw, groups if kw["exchange"] != "dense" else (8,)
@@ -359,7 +359,7 @@ def measure_bytes(
       if kw["exchange"] == "dense":
         dense_ring = traffic
       across = groups[0]
-      dense_across = distributed.ring_send_bytes(
+      dense_across = hlo.ring_send_bytes(
         "all-reduce", 4 * sum(math.prod(s) for s in shapes), across
       )
       rows.append(

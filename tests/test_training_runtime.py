@@ -556,6 +556,40 @@ def test_sync_ends_a_partial_round_and_one_local_step_is_data_parallel():
   )
 
 
+def test_outer_step_averages_the_model_state_of_the_reporting_replicas():
+  # Local steps with a participation mask: the BatchNorm statistics after
+  # the outer step are the mean over the replicas that report (all get it),
+  # and the outer parameters move by the reporting replicas' changes only.
+  sm = _nnx_split()
+  x, y = _batch(3)
+  dp = training.data_parallel(
+    sm.loss_fn, optax.sgd(0.1), _mesh(), local_steps=1, outer_tx=optax.sgd(1.0)
+  )
+  mask = np.zeros(W, np.float32)
+  mask[[1, 4, 6]] = 1
+  state, _ = dp.step(dp.init(sm.params, sm.model_state), (x, y), mask)
+  shard = lambda i: (x[i * 4 : (i + 1) * 4], y[i * 4 : (i + 1) * 4])
+  per = [sm.loss_fn(sm.params, sm.model_state, shard(i), None) for i in range(W)]
+  want = jax.tree.map(
+    lambda *s: np.mean(np.stack([s[i] for i in (1, 4, 6)]), 0),
+    *[p[1][0] for p in per],
+  )
+  for got, ref in zip(
+    jax.tree.leaves(state.model_state), jax.tree.leaves(want), strict=True
+  ):
+    got = np.asarray(got)
+    for i in range(W):
+      np.testing.assert_allclose(got[i], ref, rtol=1e-5, atol=1e-6)
+  # Outer SGD(1) of the mean change of replicas 1, 4, 6 (inner SGD 0.1).
+  grads = [jax.grad(lambda p, i=i: sm.loss_fn(p, sm.model_state, shard(i), None)[0])(sm.params) for i in (1, 4, 6)]
+  step = jax.tree.map(lambda *g: 0.1 * np.mean(np.stack(g), 0), *grads)
+  moved = jax.tree.map(lambda p, d: np.asarray(p) - d, sm.params, step)
+  for got, ref in zip(
+    jax.tree.leaves(state.outer.params), jax.tree.leaves(moved), strict=True
+  ):
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-6)
+
+
 # -- checkpoint of the whole state ------------------------------------------------
 
 
@@ -628,6 +662,7 @@ def test_checkpoint_restore_then_steps_equal_the_uninterrupted_run(
     ({"local_steps": -1}, ValueError, r"`local_steps` must be an int >= 0"),
     ({"local_steps": 2, "dense_axis": "x"}, ValueError, "`dense_axis`"),
     ({"outer_tx": "sgd"}, TypeError, "`outer_tx` must be an optax"),
+    ({"outer_tx": optax.sgd(1.0)}, ValueError, "`outer_tx` applies to"),
     ({"norms": 1}, TypeError, "`norms` must be a bool"),
     ({"extra_args": 3}, TypeError, "`extra_args` must be None or callable"),
     ({"exchange": "topk"}, ValueError, "`exchange` must be one of"),
