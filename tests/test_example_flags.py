@@ -13,6 +13,7 @@ resumes exactly.
 import argparse
 import dataclasses
 import os
+import pathlib
 import shutil
 
 import jax
@@ -363,3 +364,12 @@ def test_resnet_all_gather_compact_bf16_trains_and_resumes(tmp_path):
   assert any("exchange_residual" in k for k in a)
   (count,) = [v for k, v in a.items() if k.endswith("exchange_count")]
   assert int(count) == 2
+
+
+def test_parallel_module_is_flags_and_wiring():
+  # The examples' data parallelism is the library's runtime: their module
+  # holds flags and wiring (<= 250 lines), no step of its own.
+  source = pathlib.Path(parallel.__file__).read_text(encoding="utf-8")
+  assert len(source.splitlines()) <= 250
+  for own_step in ("shard_map", "pmean", "psum", "pcast", "sparse_pmean"):
+    assert own_step not in source, own_step

@@ -31,8 +31,9 @@ pytree, e.g. metrics) is averaged over the replicas and returned.
 differentiates its loss (the parameters are cast to varying first, so no
 implicit all-reduce of the full gradient enters the program), the exchange
 gives every replica the same mean gradient, and ``tx`` is applied to the
-parameters as laid out (replicated, or sharded FSDP-style over
-``dense_axis``).
+parameters where they live: by every device to its copy of replicated
+parameters (inside the same ``shard_map``), or on the global view to
+parameters sharded FSDP-style over ``dense_axis``.
 
 **Local-step mode** (``local_steps=H``): each step is an inner step of every
 replica on its own copy, without any exchange; after every ``H``-th step the
@@ -229,6 +230,11 @@ class DataParallel:
       raise TypeError(
         "`outer_tx` must be an optax GradientTransformation (with init and "
         f"update), got {type(outer_tx)}."
+      )
+    if outer_tx is not None and not self.local_steps:
+      raise ValueError(
+        "`outer_tx` applies to local-step mode: set `local_steps` >= 1 (got "
+        "0) or leave `outer_tx` None."
       )
     self.exchange = exchange_lib.make_exchange(exchange, **options)
     self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
@@ -549,8 +555,13 @@ class DataParallel:
     )
     key = (jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings)))
     if key not in self._programs:
+      laid_out = (shardings.params, shardings.opt_state)
+      if all(s.is_fully_replicated for s in jax.tree.leaves(laid_out)):
+        body = self._replicated_step  # tx on every device's copy
+      else:  # tx on the global view: FSDP-sharded params stay sharded
+        body = functools.partial(self._every_step, shardings.params)
       self._programs[key] = self._jit(
-        functools.partial(self._every_step, shardings.params),
+        body,
         in_shardings=(shardings, self.batch_sharding, None),
         out_shardings=(shardings, self._replicated),
       )
@@ -578,6 +589,35 @@ class DataParallel:
     return self._jit(fn)
 
   # -- every-step mode --------------------------------------------------------
+
+  def _replicated_step(self, state: TrainState, batch, mask):
+    del mask  # Every-step mode has no outer step.
+    specs = self._state_specs()
+    return jax.shard_map(
+      self._replica_step,
+      mesh=self.mesh,
+      in_specs=(specs, P(self.data_axes)),
+      out_specs=(specs, P()),
+    )(state, batch)
+
+  def _replica_step(self, state: TrainState, batch):
+    """The whole step on one replica (replicated params): the gradient, the
+    exchange, then ``tx`` on this device's copy of the params.
+    """
+    grads, model_state, ex, loss, aux = self._replica_grads(
+      state.params,
+      state.model_state,
+      state.exchange,
+      state.key,
+      state.count,
+      batch,
+    )
+    params, opt_state, updates = self._apply(
+      state.params, state.opt_state, grads, aux
+    )
+    count = _common.safe_increment(state.count)
+    new = TrainState(params, opt_state, model_state, ex, state.key, count, None)
+    return new, StepOutput(loss, aux, self._norms(grads, updates, params))
 
   def _every_step(self, param_shardings, state: TrainState, batch, mask):
     del mask  # Every-step mode has no outer step.
