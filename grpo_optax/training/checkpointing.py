@@ -24,14 +24,13 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 _UNSAFE = re.compile(r"[^0-9A-Za-z_]+")
 
 
 def _is_key(x: Any) -> bool:
-  return hasattr(x, "dtype") and jax.dtypes.issubdtype(
-    x.dtype, jax.dtypes.prng_key
-  )
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _names(tree: Any) -> list[str]:

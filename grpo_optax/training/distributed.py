@@ -86,9 +86,10 @@ class DataParallelStep:
 
     def canonical(params, model_state, batch, key):
       del key
-      out = loss_fn(params, batch)
-      loss, aux = out if has_aux else (out, None)
-      return loss, (model_state, aux)
+      out: Any = loss_fn(params, batch)
+      if has_aux:
+        return out[0], (model_state, out[1])
+      return out, (model_state, None)
 
     self.runtime = runtime.DataParallel(canonical, tx, mesh, **kwargs)
     self.has_aux = has_aux

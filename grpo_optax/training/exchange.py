@@ -51,6 +51,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from grpo_optax.training import compressors
 from grpo_optax.training.compressors import base
@@ -101,8 +102,6 @@ def state_specs(axis: AxisName, replica: Any = None) -> ExchangeState:
   fields have a leading replica axis over ``axis`` (``replica``: the spec of
   those fields, default ``P(axis)``) and whose other fields are replicated.
   """
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-
   per = P(axis) if replica is None else replica
   return ExchangeState._make((per, per, P(), P()))
 

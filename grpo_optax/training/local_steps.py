@@ -376,15 +376,9 @@ class LocalSteps:
     self.num_replicas = mesh.shape[axis]
     rep = NamedSharding(mesh, P())
     per = NamedSharding(mesh, P(axis))
-    train = runtime.TrainState(
-      per,
-      per,
-      None,
-      exchange_lib.ExchangeState(per, per, rep, rep),
-      None,
-      rep,
-      rep,
-    )
+    # Shardings shaped like the state (_make: not the fields' types).
+    exchange = exchange_lib.ExchangeState._make((per, per, rep, rep))
+    train = runtime.TrainState._make((per, per, None, exchange, None, rep, rep))
     self._to_train = {
       d: jax.jit(
         self._train_of, out_shardings=train, donate_argnums=(0,) if d else ()

@@ -315,8 +315,9 @@ class DataParallel:
         residual=self._stack(ex.residual), velocity=self._stack(ex.velocity)
       )
 
-    shardings = exchange_lib.ExchangeState(
-      self._per_replica, self._per_replica, self._replicated, self._replicated
+    # Shardings shaped like the state (_make: not the fields' types).
+    shardings = exchange_lib.ExchangeState._make(
+      (self._per_replica, self._per_replica, self._replicated, self._replicated)
     )
     return jax.jit(make, out_shardings=shardings)(params)
 
@@ -376,10 +377,12 @@ class DataParallel:
   def _init_local(self, params, model_state, key, count, seed, rep):
     params = placement.own(params, rep(params), self._donate)
     model_state = placement.own(model_state, rep(model_state), self._donate)
+    outer_tx = self.outer_tx
+    assert outer_tx is not None  # local-step mode always has one
     outer = jax.jit(
       lambda p: outer_lib.OuterState(
-        jax.tree.map(jnp.copy, p), self.outer_tx.init(p)
-      ),  # type: ignore[union-attr]
+        jax.tree.map(jnp.copy, p), outer_tx.init(p)
+      ),
       out_shardings=self._replicated,
     )(params)
     replicas = jax.jit(
@@ -524,10 +527,11 @@ class DataParallel:
 
   def _state_specs(self) -> TrainState:
     ex = exchange_lib.state_specs(self.axis)
+    # PartitionSpecs shaped like the state (_make: not the fields' types).
     if self.local_steps:
       per = P(self.axis)
-      return TrainState(per, per, per, ex, P(), P(), P())
-    return TrainState(P(), P(), P(), ex, P(), P(), None)
+      return TrainState._make((per, per, per, ex, P(), P(), P()))
+    return TrainState._make((P(), P(), P(), ex, P(), P(), None))
 
   def _program(self, kind: str, state: TrainState, mask: Any):
     """The jitted program ``kind`` for the layout of ``state`` (compiled

@@ -229,6 +229,8 @@ class Compressor(abc.ABC):
   #: Whether the mean is exact and leaves nothing behind (no residual is
   #: kept: error feedback has nothing to feed back).
   lossless: ClassVar[bool] = False
+  #: The validated option values, ``((name, value), ...)``.
+  _values: tuple[tuple[str, Any], ...]
 
   def __init__(self, **options: Any):
     mine = {o.name: o for o in self.options}
