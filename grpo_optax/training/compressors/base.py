@@ -212,9 +212,9 @@ class Decompressed(NamedTuple):
 class Compressor(abc.ABC):
   """A compressed (or dense) mean over the replicas; see the module docstring.
 
-  Subclasses set :attr:`name` (the registry key, the ``exchange=`` value),
-  :attr:`options` (the keyword options they take) and implement the five
-  parts. An instance holds validated option values as attributes
+  Subclasses set ``name`` (the registry key, the
+  ``exchange=`` value), :attr:`Compressor.options` (the keyword options
+  they take) and implement the five parts. An instance holds validated option values as attributes
   (``self.fraction``, ...); it is immutable and hashable, so a compiled
   program can close over it.
   """
@@ -264,7 +264,9 @@ class Compressor(abc.ABC):
 
   @property
   def stateful(self) -> bool:
-    """Whether :meth:`init` makes a state (carried from step to step)."""
+    """Whether :meth:`Compressor.init` makes a state (carried from step to
+    step).
+    """
     return self.init([]) is not None
 
   @property
