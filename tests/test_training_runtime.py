@@ -569,7 +569,9 @@ def test_outer_step_averages_the_model_state_of_the_reporting_replicas():
   mask[[1, 4, 6]] = 1
   state, _ = dp.step(dp.init(sm.params, sm.model_state), (x, y), mask)
   shard = lambda i: (x[i * 4 : (i + 1) * 4], y[i * 4 : (i + 1) * 4])
-  per = [sm.loss_fn(sm.params, sm.model_state, shard(i), None) for i in range(W)]
+  per = [
+    sm.loss_fn(sm.params, sm.model_state, shard(i), None) for i in range(W)
+  ]
   want = jax.tree.map(
     lambda *s: np.mean(np.stack([s[i] for i in (1, 4, 6)]), 0),
     *[p[1][0] for p in per],
@@ -581,7 +583,12 @@ def test_outer_step_averages_the_model_state_of_the_reporting_replicas():
     for i in range(W):
       np.testing.assert_allclose(got[i], ref, rtol=1e-5, atol=1e-6)
   # Outer SGD(1) of the mean change of replicas 1, 4, 6 (inner SGD 0.1).
-  grads = [jax.grad(lambda p, i=i: sm.loss_fn(p, sm.model_state, shard(i), None)[0])(sm.params) for i in (1, 4, 6)]
+  grads = [
+    jax.grad(lambda p, i=i: sm.loss_fn(p, sm.model_state, shard(i), None)[0])(
+      sm.params
+    )
+    for i in (1, 4, 6)
+  ]
   step = jax.tree.map(lambda *g: 0.1 * np.mean(np.stack(g), 0), *grads)
   moved = jax.tree.map(lambda p, d: np.asarray(p) - d, sm.params, step)
   for got, ref in zip(
