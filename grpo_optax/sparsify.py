@@ -47,7 +47,6 @@ _MIN_SAMPLE = 1024  # floor on the sample size of the sampled threshold
 _MAX_SAMPLE = 65536  # cap on it (the quantile error is ~0.2% there)
 _SAMPLE_RATE = 0.01  # fraction of a leaf sampled (Deep Gradient Compression)
 _MEAN_SAMPLE = 4096  # grid sample of the threshold mask's mean |a|
-_BISECTION_STEPS = 24
 RESIDUAL_ONLY = -1.0  # threshold of a leaf whose accumulator is its residual
 
 
@@ -184,68 +183,90 @@ def random_samples(
   ]
 
 
+_BITS_INF = 0x7F800000  # the bits of float32 +inf
+
+
+def _varying_like(value: jax.Array, *xs) -> jax.Array:
+  """``value`` typed as varying over every ``shard_map`` axis one of ``xs``
+  varies over (a ``lax.fori_loop`` carry must keep its type); no operation
+  is added to the program.
+  """
+  axes: set = set()
+  for x in xs:
+    axes |= set(getattr(jax.typeof(x), "vma", ()) or ())
+  if not axes:
+    return value
+  return jax.lax.pcast(value, tuple(sorted(axes)), to="varying")
+
+
 def bisect_thresholds(
   samples: list[jax.Array], fraction, with_kept: bool = False
 ):
-  """For each sample, the value above which ``fraction`` of it lies.
+  """For each sample of non-negative values, its ``ceil(fraction m)``-th
+  largest entry: the largest ``t`` with ``count(x >= t) >= fraction m``.
 
-  24 bisection steps between the sample's min and max, counting entries
-  ``>= mid``: O(m) per step and no sort. All samples share one loop whose
-  carry holds one ``(lo, hi, count at lo)`` triple per sample; each sample
-  is counted by its own reduction over all of its axes, so a sharded sample
-  is counted shard by shard plus a scalar all-reduce.
+  A bisection on the float32 bit patterns, which order non-negative floats
+  as their values do: 31 halvings of ``[0, bits(inf)]`` find the exact
+  order statistic of the sample, with no sort and no min / max pass. All
+  samples share one loop; each sample's carry is one ``(lo, hi, count at
+  lo)`` int32 vector, so a step is two kernels per sample (the count, a
+  reduction over all of the sample's axes, local to each shard plus a
+  scalar all-reduce; and the carry's update), identical for samples of one
+  shape: the compiled program does not grow a kernel per leaf.
 
   Args:
-    samples: float arrays of any shape.
+    samples: float arrays of any shape, entries >= 0.
     fraction: the fraction to keep, in (0, 1] (may be traced).
     with_kept: also return each sample's kept fraction at its threshold.
 
   Returns:
-    One scalar threshold per sample (0, i.e. keep every non-zero entry, when
-    ``fraction >= 1``); with ``with_kept``, ``(thresholds, kept fractions)``.
+    One float32 scalar threshold per sample (0, i.e. keep every non-zero
+    entry, when ``fraction >= 1``); with ``with_kept``, ``(thresholds,
+    kept fractions)``.
   """
   if not samples:
     return ([], []) if with_kept else []
-  samples = [x.astype(jnp.float32) for x in samples]
-  # One reduction per sample and step (stacking the samples of one shape
-  # would cut the program but makes XLA reshard samples of differently
-  # sharded leaves).
+  bits = [
+    jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    for x in samples
+  ]
   targets = [fraction * x.size for x in samples]
 
-  def body(_, bounds):
+  def body(_, carries):
     out = []
-    for x, target, (lo, hi, c_lo) in zip(samples, targets, bounds):
-      mid = 0.5 * (lo + hi)
-      count = jnp.sum(x >= mid, dtype=jnp.float32)
+    for b, target, v in zip(bits, targets, carries):
+      mid = v[0] + (v[1] - v[0]) // 2
+      count = jnp.sum(b >= mid, dtype=jnp.int32)
       keeps_enough = count >= target
       out.append(
-        (
-          jnp.where(keeps_enough, mid, lo),
-          jnp.where(keeps_enough, hi, mid),
-          jnp.where(keeps_enough, count, c_lo),
+        jnp.where(
+          keeps_enough,
+          jnp.stack([mid, v[1], count]),
+          jnp.stack([v[0], mid, v[2]]),
         )
       )
     return out
 
-  def start(x):
-    lo, hi = jnp.min(x), jnp.max(x)
-    # The count at lo (all of x) as a value of x's type: inside shard_map a
-    # constant would be invariant while the loop's count varies like x.
-    return lo, hi, jnp.where(False, hi, jnp.float32(x.size))
-
-  bounds = jax.lax.fori_loop(
-    0, _BISECTION_STEPS, body, [start(x) for x in samples]
-  )
-  # Keeping everything (a warm-up's first step) must not drop the entries
-  # that lie below the sample's minimum.
+  start = [
+    _varying_like(
+      jnp.array([0, _BITS_INF + 1, b.size], jnp.int32), b, target
+    )
+    for b, target in zip(bits, targets)
+  ]
+  carries = jax.lax.fori_loop(0, 31, body, start)
+  # Keeping everything (a warm-up's first step) keeps entries below the
+  # sample's smallest too.
   keep_all = jnp.asarray(fraction) >= 1
-  thresholds = [jnp.where(keep_all, 0.0, lo) for lo, _, _ in bounds]
-  kept = [
-    jnp.where(keep_all, 1.0, c / x.size)
-    for (_, _, c), x in zip(bounds, samples)
+  thresholds = [
+    jnp.where(keep_all, 0.0, jax.lax.bitcast_convert_type(v[0], jnp.float32))
+    for v in carries
   ]
   if not with_kept:
     return thresholds
+  kept = [
+    jnp.where(keep_all, 1.0, v[2].astype(jnp.float32) / x.size)
+    for v, x in zip(carries, samples)
+  ]
   return thresholds, kept
 
 
