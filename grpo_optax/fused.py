@@ -48,6 +48,11 @@ from grpo_optax import momentum
 from grpo_optax import quantization
 from grpo_optax import sparsify
 
+__all__ = (
+  "FusedState",
+  "clip_mask_adam",
+)
+
 MASKS = ("topk", "threshold")
 
 
@@ -57,7 +62,7 @@ class FusedState(NamedTuple):
   clip: clipping.ClipWithL2State | None  # None without clipping
   # None without a mask
   mask: sparsify.TopKMaskState | sparsify.EmaThresholdMaskState | None
-  adaptive: momentum.ScaleByNesterovAdamRmsState
+  adaptive: momentum.ScaleByNesterovAdamRmsState  # Adam / RMSProp moments
 
 
 class _Clip(NamedTuple):

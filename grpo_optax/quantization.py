@@ -72,6 +72,24 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = (
+  "DEFAULT_BLOCK_SIZE",
+  "FORMAT_NAMES",
+  "FormatLike",
+  "Quantized",
+  "StateFormat",
+  "bytes_per_entry",
+  "decode",
+  "encode",
+  "init",
+  "scale_shape",
+  "state_format",
+  "tree_bytes",
+  "tree_decode",
+  "tree_encode",
+  "tree_init",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class StateFormat:

@@ -42,6 +42,13 @@ import optax
 
 from grpo_optax import _common
 
+__all__ = (
+  "EmaThresholdMaskState",
+  "TopKMaskState",
+  "ema_threshold_mask",
+  "top_k_mask",
+)
+
 METHODS = ("exact", "sampled")
 _MIN_SAMPLE = 1024  # floor on the sample size of the sampled threshold
 _MAX_SAMPLE = 65536  # cap on it (the quantile error is ~0.2% there)

@@ -76,6 +76,14 @@ from grpo_optax.training.exchange import ExchangeState
 from grpo_optax.training.exchange import init_exchange
 from grpo_optax.training.exchange import sparse_pmean
 
+__all__ = (
+  "DataParallelState",
+  "DataParallelStep",
+  "EXCHANGES",
+  "data_parallel_step",
+  "sparse_pmean",
+)
+
 AxisName = Any  # A mesh axis name, or a tuple of them.
 
 

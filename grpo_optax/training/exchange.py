@@ -49,6 +49,12 @@ import jax.numpy as jnp
 
 from grpo_optax.training import compression
 
+__all__ = (
+  "EXCHANGES",
+  "ExchangeState",
+  "init_exchange",
+)
+
 #: The exchanges of :func:`sparse_pmean` and ``data_parallel_step``.
 EXCHANGES = ("dense", "all_gather", "shared_support", "powersgd")
 

@@ -22,6 +22,11 @@ import optax
 
 from grpo_optax.training import _tree
 
+__all__ = (
+  "FrozenStep",
+  "frozen_train_step",
+)
+
 
 class FrozenStep:
   """Train steps compiled per freezing mask.

@@ -46,6 +46,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
+__all__ = (
+  "LayerwiseState",
+  "LayerwiseStep",
+  "StackedParams",
+  "layerwise_train_step",
+  "stacked_loss_fn",
+  "train_step",
+)
+
 
 def train_step(
   loss_fn: Callable[[Any, Any], jax.Array],
