@@ -21,6 +21,7 @@ get no useful text from autodoc there:
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import io
@@ -43,6 +44,18 @@ def _comments(source: str) -> dict[int, str]:
       if not text.startswith(("pylint:", "noqa", "type:", "pyright:")):
         out[tok.start[0]] = text
   return out
+
+
+def _escape(text: str) -> str:
+  """A source comment as reStructuredText that shows it as written.
+
+  Comments are plain text (``|g p|``, ``g**2``, ``mu_``): the characters
+  reStructuredText gives a meaning are escaped.
+  """
+  text = text.replace("\\", "\\\\")
+  for ch in "*|`":
+    text = text.replace(ch, "\\" + ch)
+  return re.sub(r"(\w)_(?=\W|$)", r"\1\\_", text)
 
 
 def _comment_of(node: ast.stmt, lines: list[str], comments: dict[int, str]):
@@ -93,6 +106,7 @@ def attributes_section(doc: str) -> tuple[dict[str, str], tuple[int, int]]:
   return entries, (first, end)
 
 
+@functools.cache
 def field_descriptions(cls: type) -> dict[str, str]:
   """``{field: description}`` of a ``NamedTuple`` class.
 
@@ -116,7 +130,7 @@ def field_descriptions(cls: type) -> dict[str, str]:
       if name in cls._fields and name not in out:
         text = _comment_of(node, lines, comments)
         if text:
-          out[name] = text
+          out[name] = _escape(text)
   return out
 
 
@@ -131,6 +145,7 @@ def _defining_modules(package: str, name: str, obj: Any) -> list[Any]:
   ]
 
 
+@functools.cache
 def constant_description(module: str, name: str) -> str | None:
   """The comment of the assignment of ``module.name`` where it is defined.
 
@@ -179,12 +194,24 @@ def _resolve(path: str) -> Any:
 
 
 def _process_docstring(app, what, name, obj, options, lines) -> None:
-  del app, options  # unused
+  """Both hooks below, in order (for tests)."""
+  _drop_attributes_section(app, what, name, obj, options, lines)
+  _describe(app, what, name, obj, options, lines)
+
+
+def _drop_attributes_section(app, what, name, obj, options, lines) -> None:
+  """A NamedTuple's ``Attributes:`` section: shown on the fields instead."""
+  del app, name, options  # unused
   if what == "class" and hasattr(obj, "_fields"):
     _, (first, end) = attributes_section("\n".join(lines))
     if end > first:
       del lines[first:end]
-  elif what == "attribute" and lines and _ALIAS.match(" ".join(lines).strip()):
+
+
+def _describe(app, what, name, obj, options, lines) -> None:
+  """A field's or a re-exported constant's description, as reStructuredText."""
+  del app, options  # unused
+  if what == "attribute" and lines and _ALIAS.match(" ".join(lines).strip()):
     parent, field = name.rsplit(".", 1)
     text = field_descriptions(_resolve(parent)).get(field)
     if text:
@@ -200,7 +227,11 @@ def _process_docstring(app, what, name, obj, options, lines) -> None:
 
 
 def setup(app):
-  # Before napoleon (priority 500), which would turn ``Attributes:`` into
-  # fields of the class text.
-  app.connect("autodoc-process-docstring", _process_docstring, priority=400)
+  # Napoleon (priority 500) would turn the class's ``Attributes:`` into
+  # fields of the class text, and read a field's "text: more" as "type:
+  # description": the section goes before it, the descriptions after.
+  app.connect(
+    "autodoc-process-docstring", _drop_attributes_section, priority=400
+  )
+  app.connect("autodoc-process-docstring", _describe, priority=600)
   return {"parallel_read_safe": True, "parallel_write_safe": True}
