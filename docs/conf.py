@@ -54,6 +54,14 @@ napoleon_use_rtype = False
 # "Alias for field number N".
 napoleon_use_ivar = True
 
+# Every reference to a name of this package links (or, for an internal
+# helper, is plain text: docs/_ext/public_api.py); the other packages' names
+# are not linked (no intersphinx: the build needs no network).
+nitpicky = True
+nitpick_ignore_regex = [
+  (r"py:.*", r"(jax|jaxlib|optax|numpy|np|flax|collections|typing)(\..*)?"),
+]
+
 html_theme = "furo"
 html_title = f"grpo_optax {release}"
 

@@ -226,6 +226,82 @@ def _describe(app, what, name, obj, options, lines) -> None:
       lines[:] = []  # the docstring of ``tuple`` or ``dict``, not the value's
 
 
+@functools.cache
+def _public_paths() -> dict[int, str]:
+  """``id(obj) -> public path`` of every public name (and public module).
+
+  Public modules are ``grpo_optax`` and every module a public module lists
+  in its ``__all__``; the first public path found wins.
+  """
+  paths: dict[int, str] = {}
+  todo = [importlib.import_module("grpo_optax")]
+  while todo:
+    module = todo.pop(0)
+    paths.setdefault(id(module), module.__name__)
+    for name in module.__all__:
+      value = getattr(module, name)
+      if inspect.ismodule(value):
+        if id(value) not in paths:
+          todo.append(value)
+      else:
+        paths.setdefault(id(value), f"{module.__name__}.{name}")
+  return paths
+
+
+def _candidates(node) -> list[str]:
+  """Dotted paths a reference may name: as written, in its module or class."""
+  target = node["reftarget"].lstrip(".~")
+  out = [target]
+  module, cls = node.get("py:module"), node.get("py:class")
+  if module and cls:
+    out.append(f"{module}.{cls}.{target}")
+  if module:
+    out.append(f"{module}.{target}")
+    package = module.rsplit(".", 1)[0]
+    out.append(f"{package}.{target}")
+  return out
+
+
+def _unique_public(name: str) -> str | None:
+  """The public path of the one public object called ``name``, if one."""
+  found = {p for p in _public_paths().values() if p.rsplit(".", 1)[-1] == name}
+  objects = {id(_resolve(p)) for p in found}
+  return sorted(found)[0] if len(objects) == 1 else None
+
+
+def _missing_reference(app, env, node, contnode):
+  """Links a reference to a defining path (``grpo_optax.fused.clip_mask_adam``,
+  or ``sparse_pmean`` in the text of ``grpo_optax.training.distributed``) to
+  the public entry of the same object. A reference to an internal helper
+  (no public path) stays plain text, without a link and without a warning.
+  """
+  if node.get("refdomain") != "py":
+    return None
+  public = None
+  for path in _candidates(node):
+    if not path.startswith("grpo_optax"):
+      continue
+    try:
+      obj = _resolve(path)
+    except (ImportError, AttributeError):
+      continue
+    public = _public_paths().get(id(obj))
+    if public is None:
+      return contnode  # an internal helper: named, not linked
+    break
+  inside = node.get("py:module", "").startswith("grpo_optax")
+  if public is None and inside:
+    # A name of another module of the package (``group_size`` in the text
+    # of ``collective_ops``, documented as grpo_optax.training's).
+    public = _unique_public(node["reftarget"].lstrip(".~"))
+  if public is None:
+    return None
+  domain = env.get_domain("py")
+  return domain.resolve_xref(
+    env, node["refdoc"], app.builder, node["reftype"], public, node, contnode
+  )
+
+
 def setup(app):
   # Napoleon (priority 500) would turn the class's ``Attributes:`` into
   # fields of the class text, and read a field's "text: more" as "type:
@@ -234,4 +310,5 @@ def setup(app):
     "autodoc-process-docstring", _drop_attributes_section, priority=400
   )
   app.connect("autodoc-process-docstring", _describe, priority=600)
+  app.connect("missing-reference", _missing_reference)
   return {"parallel_read_safe": True, "parallel_write_safe": True}

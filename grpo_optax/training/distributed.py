@@ -194,7 +194,8 @@ class DataParallelStep:
     data_axes: the axes the batch is split over (``axis`` and
       ``dense_axis``).
     num_replicas: replicas of the sparse exchange (the size of ``axis``).
-    exchange, fraction, error_feedback, chunk_size: as built.
+    exchange: as built (also ``fraction``, ``error_feedback``,
+      ``chunk_size``).
   """
 
   def __init__(

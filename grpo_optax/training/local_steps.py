@@ -441,8 +441,8 @@ class LocalSteps:
   :func:`grpo_optax.training.ring_traffic`).
 
   Attributes:
-    mesh, axis, local_steps, exchange, fraction, chunk_size, quantize: as
-      built.
+    mesh: as built (also ``axis``, ``local_steps``, ``exchange``,
+      ``fraction``, ``chunk_size``, ``quantize``).
     num_replicas: the size of ``axis`` (``W``).
     error_feedback: whether the state holds the unsent parts.
   """
