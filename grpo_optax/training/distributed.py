@@ -250,6 +250,8 @@ class DataParallelStep:
       )
     if not isinstance(has_aux, bool):
       raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
+    if not isinstance(donate, bool):
+      raise TypeError(f"`donate` must be a bool, got {donate!r}.")
     # Validates every exchange option (the same checks as sparse_pmean).
     cfg = exchange_lib._config(exchange, fraction, chunk_size, **options)  # pylint: disable=protected-access
     self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh

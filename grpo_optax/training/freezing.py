@@ -46,7 +46,7 @@ class FrozenStep:
   ):
     self.loss_fn = loss_fn
     self.tx = tx
-    self.donate = donate
+    self.donate = _tree.check_flag("donate", donate)
     self.max_cached = _tree.check_positive_int("max_cached", max_cached)
     self._cache: collections.OrderedDict = collections.OrderedDict()
 
