@@ -501,3 +501,53 @@ def test_every_public_function_refuses_a_wrong_type(path, name, value):
   assert re.search(rf"(?<![\w.]){name}(?!\w)", msg), msg
   assert repr(value) in msg or repr(value).strip("'") in msg, msg
   assert "must" in msg, msg
+
+
+# Transforms that neither keep params-shaped state nor read the params with
+# their defaults, so that any updates tree is theirs to take (as
+# optax.clip_by_global_norm's); with l2 > 0 clip_with_l2 reads the params.
+TREE_FREE = {"clip_with_l2": go.clip_with_l2(l2=0.1)}
+
+
+def _transforms():
+  """Every public factory that builds a transform from its defaults."""
+  out = {}
+  for name in go.__all__:
+    fn = getattr(go, name)
+    required = (
+      [
+        p
+        for p in inspect.signature(fn).parameters.values()
+        if p.default is inspect.Parameter.empty
+      ]
+      if inspect.isfunction(fn)
+      else [None]
+    )
+    if not required and isinstance(fn(), optax.GradientTransformation):
+      out[name] = TREE_FREE.get(name) or fn()
+  return out
+
+
+@pytest.mark.parametrize("name", sorted(_transforms()))
+def test_every_transform_names_the_leaf_that_does_not_fit(name):
+  tx = _transforms()[name]
+  state = tx.init(PARAMS)
+  bad = {"layer": {"w": jnp.ones((3, 4)), "b": jnp.ones(4)}}
+  with pytest.raises(ValueError, match=re.escape("leaf ['layer']['w'] has")):
+    tx.update(bad, state, PARAMS)
+  renamed = {"layer": {"w": jnp.ones((4, 4)), "c": jnp.ones(4)}}
+  with pytest.raises(ValueError, match=re.escape("['layer']['c']")):
+    tx.update(renamed, state, PARAMS)
+
+
+def test_the_transforms_are_found():
+  assert {
+    "grpo",
+    "top_k_mask",
+    "ema_threshold_mask",
+    "scale_by_nesterov_adam_rms",
+    "scale_by_variance_lr",
+    "scale_by_importance",
+    "freeze_below",
+    "clip_with_l2",
+  } <= set(_transforms())
