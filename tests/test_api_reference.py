@@ -27,6 +27,12 @@ from sphinx.util.inventory import InventoryFile
 
 import grpo_optax
 
+# The docs build runs myst-parser and Sphinx, whose deprecation warnings
+# about each other are theirs to fix.
+pytestmark = pytest.mark.filterwarnings(
+  "ignore::DeprecationWarning", "ignore::PendingDeprecationWarning"
+)
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 sys.path.insert(0, str(DOCS / "_ext"))
