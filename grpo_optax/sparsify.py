@@ -25,7 +25,8 @@ whose masks are not a threshold on ``|acc|``).
 
 Samples are grids ``x[o_0::s_0, o_1::s_1, ...]``
 (:func:`grpo_optax._common.sample_strides`): no flattening and no gather, so
-a sharded leaf is sampled shard by shard and the only collectives of a mask are scalar all-reduces.
+a sharded leaf is sampled shard by shard and the only collectives of a mask
+are scalar all-reduces.
 """
 
 from __future__ import annotations
