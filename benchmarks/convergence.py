@@ -52,6 +52,7 @@ import numpy as np
 import optax
 
 import grpo_optax
+from benchmarks import command as command_lib
 from benchmarks import problems as problems_lib
 
 Factory = Callable[[Any], optax.GradientTransformation]
@@ -743,7 +744,7 @@ def main(
   chosen = {n: known[n] for n in names}
   start = time.time()
   log = lambda msg: print(f"[{time.time() - start:6.0f}s] {msg}", flush=True)
-  command = "python -m benchmarks.convergence " + " ".join(argv)
+  command = command_lib.command("benchmarks.convergence", argv)
 
   def checkpoint(report):
     report["meta"]["command"] = command.strip()

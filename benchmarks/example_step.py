@@ -24,6 +24,7 @@ import jax
 from flax import nnx
 
 import grpo_optax
+from benchmarks import command as command_lib
 from examples.bert_mlm import input_pipeline as bert_pipeline
 from examples.bert_mlm import main as bert_main
 from examples.bert_mlm import models as bert_models
@@ -186,7 +187,7 @@ def main(argv=None):
     f" {os.cpu_count()} cpus)",
     jax=jax.__version__,
     date=time.strftime("%Y-%m-%d"),
-    command="python -m benchmarks.example_step " + " ".join(argv or []),
+    command=command_lib.command("benchmarks.example_step", argv),
   )
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, "example_step")

@@ -34,6 +34,7 @@ import numpy as np
 import optax
 
 import grpo_optax
+from benchmarks import command as command_lib
 
 
 def transformer_tree(n_params: float, d_model: int | None = None):
@@ -519,7 +520,7 @@ def main(argv=None):
     jax=jax.__version__,
     optax=optax.__version__,
     date=time.strftime("%Y-%m-%d"),
-    command="python -m benchmarks.step_time " + " ".join(argv or []),
+    command=command_lib.command("benchmarks.step_time", argv),
     rounds=rounds,
     iters=iters,
   )

@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import optax
 
 import grpo_optax
+from benchmarks import command as command_lib
 from benchmarks import convergence
 from benchmarks import problems as problems_lib
 
@@ -923,7 +924,7 @@ def main(argv=None) -> dict:
   log = lambda msg: print(f"[{time.time() - start:6.0f}s] {msg}", flush=True)
   report = {
     "meta": {
-      "command": ("python -m benchmarks.study " + " ".join(argv)).strip(),
+      "command": command_lib.command("benchmarks.study", argv),
       "date": time.strftime("%Y-%m-%d %H:%M"),
       "device": f"{jax.devices()[0].device_kind} ({os.cpu_count()} cpus)",
       "jax": jax.__version__,

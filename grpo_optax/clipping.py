@@ -18,6 +18,11 @@ import optax
 
 from grpo_optax import _common
 
+__all__ = (
+  "ClipWithL2State",
+  "clip_with_l2",
+)
+
 
 class ClipWithL2State(NamedTuple):
   """State of :func:`clip_with_l2`."""

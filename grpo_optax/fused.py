@@ -12,8 +12,9 @@ One transform that computes exactly what the chain
 computes, with the same state (a :class:`FusedState` holding each room's own
 state), the same random draws and the same formulas: it calls the rooms'
 functions (:func:`grpo_optax.clipping.norm_with_l2`,
-:func:`grpo_optax.sparsify.accumulate`, :func:`~grpo_optax.sparsify.
-topk_leaf_thresholds`, :func:`~grpo_optax.momentum.nesterov_moment`, ...).
+:func:`grpo_optax.sparsify.accumulate`,
+:func:`~grpo_optax.sparsify.topk_leaf_thresholds`,
+:func:`~grpo_optax.momentum.nesterov_moment`, ...).
 ``tests/test_fused.py`` checks the two against each other. It exists because
 XLA:CPU runs the chain's masked Adam at about 3x ``optax.adam`` and this
 layout at about 1.8x (``docs/design.md``, "Where fusion happens"):
@@ -49,6 +50,11 @@ from grpo_optax import momentum
 from grpo_optax import quantization
 from grpo_optax import sparsify
 
+__all__ = (
+  "FusedState",
+  "clip_mask_adam",
+)
+
 MASKS = ("topk", "threshold")
 
 
@@ -58,7 +64,7 @@ class FusedState(NamedTuple):
   clip: clipping.ClipWithL2State | None  # None without clipping
   # None without a mask
   mask: sparsify.TopKMaskState | sparsify.EmaThresholdMaskState | None
-  adaptive: momentum.ScaleByNesterovAdamRmsState
+  adaptive: momentum.ScaleByNesterovAdamRmsState  # Adam / RMSProp moments
 
 
 class _Clip(NamedTuple):

@@ -20,6 +20,12 @@ import optax
 
 from grpo_optax import _common
 
+__all__ = (
+  "ScaleByImportanceState",
+  "per_head",
+  "scale_by_importance",
+)
+
 
 class ScaleByImportanceState(NamedTuple):
   """State of :func:`scale_by_importance`."""

@@ -18,6 +18,11 @@ import optax
 from grpo_optax import _common
 from grpo_optax import quantization
 
+__all__ = (
+  "ScaleByNesterovAdamRmsState",
+  "scale_by_nesterov_adam_rms",
+)
+
 
 class ScaleByNesterovAdamRmsState(NamedTuple):
   """State of :func:`scale_by_nesterov_adam_rms`."""

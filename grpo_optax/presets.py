@@ -26,6 +26,11 @@ from grpo_optax.sparsify import ema_threshold_mask
 from grpo_optax.sparsify import top_k_mask
 from grpo_optax.variance import scale_by_variance_lr
 
+__all__ = (
+  "ARTICLE_DEFAULTS",
+  "grpo",
+)
+
 SPARSIFIERS = ("topk", "threshold", None)
 PLACEMENTS = ("input", "output")
 

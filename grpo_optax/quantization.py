@@ -72,6 +72,24 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = (
+  "DEFAULT_BLOCK_SIZE",
+  "FORMAT_NAMES",
+  "FormatLike",
+  "Quantized",
+  "StateFormat",
+  "bytes_per_entry",
+  "decode",
+  "encode",
+  "init",
+  "scale_shape",
+  "state_format",
+  "tree_bytes",
+  "tree_decode",
+  "tree_encode",
+  "tree_init",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class StateFormat:
@@ -102,7 +120,9 @@ class StateFormat:
     return int(jnp.iinfo(self.dtype).max) if self.blocked else 0
 
 
+#: The names :func:`state_format` accepts (``mu_format=``, ``nu_format=``).
 FORMAT_NAMES = ("float32", "bfloat16", "bfloat16_sr", "int8", "uint8")
+#: Entries per block of the 8-bit formats, along the last axis.
 DEFAULT_BLOCK_SIZE = 256
 _DEFAULT_POWER = {"int8": 2, "uint8": 2}
 _DTYPES = {
@@ -127,6 +147,7 @@ class Quantized(NamedTuple):
   scale: Any
 
 
+#: A format: one of :data:`FORMAT_NAMES` or a :class:`StateFormat`.
 FormatLike = str | StateFormat
 
 

@@ -23,9 +23,10 @@ copies a donated state buffer to keep an old value alive (see
 its residual directly (the exact top-k and the frequency-weighted score,
 whose masks are not a threshold on ``|acc|``).
 
-Samples are grids ``x[o_0::s_0, o_1::s_1, ...]`` (:func:`grpo_optax._common.
-sample_strides`): no flattening and no gather, so a sharded leaf is sampled
-shard by shard and the only collectives of a mask are scalar all-reduces.
+Samples are grids ``x[o_0::s_0, o_1::s_1, ...]``
+(:func:`grpo_optax._common.sample_strides`): no flattening and no gather, so
+a sharded leaf is sampled shard by shard and the only collectives of a mask
+are scalar all-reduces.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ import numpy as np
 import optax
 
 from grpo_optax import _common
+
+__all__ = (
+  "EmaThresholdMaskState",
+  "TopKMaskState",
+  "ema_threshold_mask",
+  "top_k_mask",
+)
 
 METHODS = ("exact", "sampled")
 _MIN_SAMPLE = 1024  # floor on the sample size of the sampled threshold

@@ -16,6 +16,11 @@ import optax
 
 from grpo_optax import _common
 
+__all__ = (
+  "ScaleByVarianceLrState",
+  "scale_by_variance_lr",
+)
+
 REDUCTIONS = ("element", "leaf", "global")
 
 

@@ -285,6 +285,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     replicas.build_outer_sync(graphdef, flags.compiler_options(args))
   num_train = len(data.train)
 
+  flags.announce_compile(quiet)
   bar = tqdm.tqdm(
     range(start_step, args.steps),
     initial=start_step,

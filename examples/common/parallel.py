@@ -156,8 +156,18 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     help="host:port of process 0 for jax.distributed "
     "(set by examples/launch_multiprocess.py).",
   )
-  group.add_argument("--num-processes", type=int, default=1)
-  group.add_argument("--process-id", type=int, default=0)
+  group.add_argument(
+    "--num-processes",
+    type=int,
+    default=1,
+    help="Processes of a multi-process run (each runs this command).",
+  )
+  group.add_argument(
+    "--process-id",
+    type=int,
+    default=0,
+    help="This process's index in [0, --num-processes).",
+  )
 
 
 def add_exchange_option_flags(group: Any) -> None:

@@ -187,6 +187,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
     replicas.build_outer_sync(graphdef, options)
   num_train = len(dataset.train_labels)
 
+  flags.announce_compile(quiet)
   bar = tqdm.tqdm(
     range(start_step, args.steps),
     initial=start_step,

@@ -26,6 +26,7 @@ from grpo_optax.hlo import collective_bytes
 from grpo_optax.hlo import collective_ops
 from grpo_optax.hlo import ring_send_bytes
 from grpo_optax.hlo import ring_traffic
+from grpo_optax.training import compression
 from grpo_optax.training._nnx import PureModel
 from grpo_optax.training._nnx import split_model
 from grpo_optax.training.distributed import EXCHANGES
@@ -48,6 +49,7 @@ from grpo_optax.training.immediate import StackedParams
 from grpo_optax.training.immediate import layerwise_train_step
 from grpo_optax.training.immediate import stacked_loss_fn
 from grpo_optax.training.immediate import train_step
+from grpo_optax.training.local_steps import QUANTIZE
 from grpo_optax.training.local_steps import LocalSteps
 from grpo_optax.training.local_steps import LocalStepsState
 from grpo_optax.training.local_steps import default_outer_optimizer
@@ -72,9 +74,11 @@ __all__ = (
   "LocalSteps",
   "LocalStepsState",
   "PureModel",
+  "QUANTIZE",
   "StackedParams",
   "collective_bytes",
   "collective_ops",
+  "compression",
   "data_parallel_step",
   "default_is_core",
   "default_outer_optimizer",

@@ -48,6 +48,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+__all__ = (
+  "BLOCK",
+  "INDEX_FORMATS",
+  "SUPPORTS",
+  "VALUE_FORMATS",
+  "all_gather_mean",
+  "init_powersgd",
+  "init_support",
+  "num_kept",
+  "powersgd_mean",
+  "powersgd_shape",
+  "replica_mean",
+  "shared_support_mean",
+  "value_bytes",
+  "warmup_fractions",
+)
+
 #: Value formats of the payloads.
 VALUE_FORMATS = ("float32", "bfloat16", "int8")
 #: Index formats of the all-gather.

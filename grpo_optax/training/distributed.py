@@ -76,6 +76,14 @@ from grpo_optax.training.exchange import ExchangeState
 from grpo_optax.training.exchange import init_exchange
 from grpo_optax.training.exchange import sparse_pmean
 
+__all__ = (
+  "DataParallelState",
+  "DataParallelStep",
+  "EXCHANGES",
+  "data_parallel_step",
+  "sparse_pmean",
+)
+
 AxisName = Any  # A mesh axis name, or a tuple of them.
 
 
@@ -186,7 +194,8 @@ class DataParallelStep:
     data_axes: the axes the batch is split over (``axis`` and
       ``dense_axis``).
     num_replicas: replicas of the sparse exchange (the size of ``axis``).
-    exchange, fraction, error_feedback, chunk_size: as built.
+    exchange: as built (also ``fraction``, ``error_feedback``,
+      ``chunk_size``).
   """
 
   def __init__(
@@ -241,6 +250,8 @@ class DataParallelStep:
       )
     if not isinstance(has_aux, bool):
       raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
+    if not isinstance(donate, bool):
+      raise TypeError(f"`donate` must be a bool, got {donate!r}.")
     # Validates every exchange option (the same checks as sparse_pmean).
     cfg = exchange_lib._config(exchange, fraction, chunk_size, **options)  # pylint: disable=protected-access
     self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh

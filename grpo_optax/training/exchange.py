@@ -47,7 +47,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from grpo_optax.training import _tree
 from grpo_optax.training import compression
+
+__all__ = (
+  "EXCHANGES",
+  "ExchangeState",
+  "init_exchange",
+)
 
 #: The exchanges of :func:`sparse_pmean` and ``data_parallel_step``.
 EXCHANGES = ("dense", "all_gather", "shared_support", "powersgd")
@@ -94,6 +101,7 @@ def _check_choice(name: str, value: Any, allowed) -> str:
 
 
 def _check_fraction(fraction: Any) -> float:
+  _tree.check_real("fraction", fraction, "a float in (0, 1]")
   try:
     f = float(fraction)
   except (TypeError, ValueError):
@@ -120,7 +128,7 @@ def _check_int(name: str, value: Any, low: int) -> int:
 
 
 def _check_momentum(momentum: Any) -> float:
-  m = float(momentum)
+  m = _tree.check_real("momentum", momentum, "a float in [0, 1)")
   if not 0.0 <= m < 1.0:
     raise ValueError(f"`momentum` must be a float in [0, 1), got {momentum}.")
   return m
@@ -129,7 +137,7 @@ def _check_momentum(momentum: Any) -> float:
 def _check_clip(clip_norm: Any):
   if clip_norm is None:
     return None
-  c = float(clip_norm)
+  c = _tree.check_real("clip_norm", clip_norm, "None or a float > 0")
   if not c > 0:
     raise ValueError(
       f"`clip_norm` must be None or a float > 0, got {clip_norm}."
@@ -173,7 +181,7 @@ def _config(
     _check_choice("support", support, compression.SUPPORTS),
     _check_int("rank", rank, 1),
     _check_momentum(momentum),
-    bool(mask_momentum),
+    _tree.check_flag("mask_momentum", mask_momentum),
     _check_clip(clip_norm),
     _check_int("warmup_steps", warmup_steps, 0),
   )
@@ -227,6 +235,11 @@ def init_exchange(
   """
   _check_choice("exchange", exchange, EXCHANGES)
   _check_momentum(momentum)
+  _tree.check_flag("error_feedback", error_feedback)
+  _check_choice("support", support, compression.SUPPORTS)
+  _check_int("chunk_size", chunk_size, 1)
+  _check_int("rank", rank, 1)
+  _check_int("seed", seed, 0)
   leaves = jax.tree.leaves(params)
   zeros = lambda: jax.tree.map(jnp.zeros_like, params)
   sup = None

@@ -76,6 +76,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from grpo_optax import _common
+from grpo_optax.training import _tree
 from grpo_optax.training import distributed
 from grpo_optax.training import exchange as exchange_lib
 
@@ -113,6 +114,8 @@ def default_outer_optimizer(
     ``optax.sgd(learning_rate, momentum, nesterov=True)`` (no momentum
     buffer when ``momentum == 0``).
   """
+  _tree.check_real("learning_rate", learning_rate, "a float > 0")
+  _tree.check_real("momentum", momentum, "a float in [0, 1)")
   if not learning_rate > 0:
     raise ValueError(f"`learning_rate` must be > 0, got {learning_rate}.")
   if not 0 <= momentum < 1:
@@ -146,6 +149,7 @@ def int8_levels(num_replicas: int) -> int:
   values in ``[-L, L]`` sum to at most 127 in magnitude, so the int8
   all-reduce is exact (no overflow, no rounding in the sum).
   """
+  num_replicas = _tree.check_positive_int("num_replicas", num_replicas)
   if num_replicas > 127:
     raise ValueError(
       f"the int8 exchange supports at most 127 replicas, got {num_replicas}."
@@ -263,6 +267,10 @@ def exchange_mean(
   Returns:
     ``(mean, new_residual)`` as ``sparse_pmean``.
   """
+  # Checked before any collective (outside shard_map too).
+  _tree.check_positive_int("num_replicas", num_replicas)
+  _check_fraction(fraction)
+  _check_chunk_size(chunk_size)
   quantize = _check_quantize(quantize, exchange)
   if quantize is None:
     return distributed.sparse_pmean(
@@ -355,6 +363,11 @@ def outer_step(
     :math:`e_i` (None without error feedback); the next round starts at
     ``new_outer_params - unsent``.
   """
+  # Checked before any collective (outside shard_map too).
+  _tree.check_flag("error_feedback", error_feedback)
+  _check_exchange(exchange)
+  _check_fraction(fraction)
+  _check_chunk_size(chunk_size)
   m = jnp.asarray(participate).astype(jnp.float32)
   k = jax.lax.psum(m, axis_name)
   w = jax.lax.axis_size(axis_name)
@@ -441,8 +454,8 @@ class LocalSteps:
   :func:`grpo_optax.training.ring_traffic`).
 
   Attributes:
-    mesh, axis, local_steps, exchange, fraction, chunk_size, quantize: as
-      built.
+    mesh: as built (also ``axis``, ``local_steps``, ``exchange``,
+      ``fraction``, ``chunk_size``, ``quantize``).
     num_replicas: the size of ``axis`` (``W``).
     error_feedback: whether the state holds the unsent parts.
   """
@@ -482,6 +495,7 @@ class LocalSteps:
       raise TypeError(
         f"`error_feedback` must be a bool, got {error_feedback!r}."
       )
+    _tree.check_flag("donate", donate)
     self.exchange = _check_exchange(exchange)
     self.fraction = _check_fraction(fraction)
     self.chunk_size = _check_chunk_size(chunk_size)
