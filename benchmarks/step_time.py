@@ -142,7 +142,14 @@ QUICK = (
   "grpo_article_dense",
   "grpo_article_topk",
 )
-COMPILE = ("adam", "clip_nadam", "grpo_dense", "grpo_threshold", "grpo_topk")
+COMPILE = (
+  "adam",
+  "clip_nadam",
+  "grpo_dense",
+  "grpo_topk",
+  "grpo_threshold",
+  "grpo_article_topk",
+)
 
 
 def _param_sized_arrays(state, n_leaves_params: int, param_sizes: set) -> int:
@@ -357,31 +364,57 @@ def layered_tree(n_layers: int, d: int = 64):
   }
 
 
-def compile_times(names, layers=(1, 6, 24), repeats=1) -> list[dict]:
-  """Seconds to trace, lower and compile the donated update + apply step."""
+def _compile_once(name: str, params) -> tuple[float, float, dict]:
+  """(wall s, CPU s, fused-computation counts) of one trace + lower +
+  compile of ``name``'s donated update + apply, caches cleared first.
+  """
+  jax.clear_caches()
+  tx = optimizers()[name]()
+  state = tx.init(params)
+  wall, cpu = time.perf_counter(), time.process_time()
+  compiled = _make_step(tx).lower(params, state, params).compile()
+  wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+  return wall, cpu, grpo_optax.hlo.fused_computations(compiled)
+
+
+def compile_times(names, layers=(6, 24, 96), repeats=3) -> list[dict]:
+  """Compile cost of the donated update + apply, per tree size.
+
+  ``repeats`` rounds, each compiling every optimizer once in turn (Adam
+  first), so that a slow stretch of the machine weighs on every optimizer
+  of a round; the ratio to Adam is the median over rounds of the ratio
+  within a round, in process CPU time (XLA's compile threads included),
+  which a busy machine disturbs less than wall time. Also the number of
+  fused computations in the compiled program, and of distinct ones (bodies
+  compared after renaming: :func:`grpo_optax.hlo.fused_computations`), which
+  is what XLA's compile time follows.
+  """
+  names = ["adam"] + [n for n in names if n != "adam"]
   rows = []
   for n_layers in layers:
     params = layered_tree(n_layers)
+    runs = {n: [] for n in names}
+    for _ in range(repeats):
+      for name in names:
+        runs[name].append(_compile_once(name, params))
     for name in names:
-      best = float("inf")
-      for _ in range(repeats):
-        jax.clear_caches()
-        tx = optimizers()[name]()
-        state = tx.init(params)
-        t0 = time.perf_counter()
-        _make_step(tx).lower(params, state, params).compile()
-        best = min(best, time.perf_counter() - t0)
+      ratios = [
+        r[1] / a[1] for r, a in zip(runs[name], runs["adam"], strict=True)
+      ]
+      counts = runs[name][0][2]
       rows.append(
-        dict(optimizer=name, leaves=16 * n_layers, compile_s=round(best, 2))
+        dict(
+          optimizer=name,
+          leaves=16 * n_layers,
+          compile_s=round(statistics.median(r[0] for r in runs[name]), 2),
+          compile_cpu_s=round(statistics.median(r[1] for r in runs[name]), 2),
+          ratio_to_adam=round(statistics.median(ratios), 2),
+          ratio_min=round(min(ratios), 2),
+          ratio_max=round(max(ratios), 2),
+          fusions=counts["fusions"],
+          distinct_fusions=counts["distinct"],
+        )
       )
-    adam = [
-      r
-      for r in rows
-      if r["leaves"] == 16 * n_layers and r["optimizer"] == "adam"
-    ]
-    for r in rows:
-      if r["leaves"] == 16 * n_layers and adam:
-        r["ratio_to_adam"] = round(r["compile_s"] / adam[0]["compile_s"], 2)
   return rows
 
 
@@ -393,18 +426,25 @@ def compile_markdown(rows) -> str:
     "",
     "## Compile time of the update step (trace + lower + compile)",
     "",
+    "CPU seconds (median of the rounds), the median over rounds of the ratio"
+    " to optax.adam within a round (min-max), and the distinct / all fused"
+    " computations of the compiled program.",
+    "",
     "| optimizer | " + " | ".join(f"{n} leaves" for n in leaves) + " |",
     "|---|" + "---|" * len(leaves),
   ]
   for name in names:
-    lines.append(
-      f"| {name} | "
-      + " | ".join(
-        f"{cell[name, n]['compile_s']:.2f} s (x{cell[name, n].get('ratio_to_adam', 0):.2f})"
-        for n in leaves
+    cells = []
+    for n in leaves:
+      r = cell.get((name, n))
+      cells.append(
+        ""
+        if r is None
+        else f"{r['compile_cpu_s']:.2f} s x{r['ratio_to_adam']:.2f}"
+        f" ({r['ratio_min']:.2f}-{r['ratio_max']:.2f});"
+        f" {r['distinct_fusions']} / {r['fusions']}"
       )
-      + " |"
-    )
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -457,9 +497,15 @@ def main(argv=None):
   parser.add_argument("--tag", default="", help="suffix of the output files")
   parser.add_argument(
     "--compile-layers",
-    default="1,6,24",
+    default="6,24,96",
     help="layers of the compile-time tree (16 leaves each);"
     " empty: no compile-time table",
+  )
+  parser.add_argument(
+    "--compile-repeats",
+    type=int,
+    default=3,
+    help="rounds of the compile-time table (median ratio over rounds)",
   )
   args = parser.parse_args(argv)
 
@@ -504,12 +550,16 @@ def main(argv=None):
   if args.compile_layers:
     layers = [int(x) for x in args.compile_layers.split(",")]
     compile_rows = compile_times(
-      [n for n in COMPILE if n in names or n == "adam"], layers, repeats=2
+      [n for n in COMPILE if n in names or n == "adam"],
+      layers,
+      repeats=args.compile_repeats,
     )
     for r in compile_rows:
       print(
-        f"compile {r['optimizer']:>20s} {r['leaves']:4d} leaves "
-        f"{r['compile_s']:7.2f} s  x{r.get('ratio_to_adam', 0):.2f} adam",
+        f"compile {r['optimizer']:>20s} {r['leaves']:5d} leaves "
+        f"{r['compile_cpu_s']:7.2f} s CPU  x{r['ratio_to_adam']:.2f} adam "
+        f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f})  fused computations "
+        f"{r['distinct_fusions']} distinct / {r['fusions']}",
         flush=True,
       )
 
