@@ -485,7 +485,8 @@ def main(argv=None):
   parser.add_argument(
     "--sizes",
     default=None,
-    help="comma-separated parameter counts, e.g. 1e6,2e7",
+    help="comma-separated parameter counts, e.g. 1e6,2e7; 'none': no"
+    " step-time table (the compile-time table only)",
   )
   parser.add_argument(
     "--optimizers",
@@ -509,7 +510,9 @@ def main(argv=None):
   )
   args = parser.parse_args(argv)
 
-  if args.sizes:
+  if args.sizes == "none":  # the compile-time table only
+    sizes = []
+  elif args.sizes:
     sizes = [float(s) for s in args.sizes.split(",")]
   else:
     sizes = [2e7] if args.quick else [1e6, 1e7, 2e7, 5e7, 1e8]
@@ -586,7 +589,8 @@ def main(argv=None):
     f.write(to_markdown(rows, meta))
     if compile_rows:
       f.write(compile_markdown(compile_rows))
-  plot(rows, stem + ".png")
+  if rows:
+    plot(rows, stem + ".png")
   print(f"wrote {stem}.json, {stem}.md")
   return rows
 
