@@ -521,6 +521,36 @@ def stack(
   return out
 
 
+def mix32(x: Any) -> Any:
+  """MurmurHash3's 32-bit finaliser: a bijection of uint32 that spreads every
+  input bit over the output (NumPy or JAX values).
+  """
+  u32: Any = (
+    np.uint32 if isinstance(x, (np.ndarray, np.generic)) else jnp.uint32
+  )
+  x = x ^ (x >> u32(16))
+  x = x * u32(0x85EBCA6B)
+  x = x ^ (x >> u32(13))
+  x = x * u32(0xC2B2AE35)
+  return x ^ (x >> u32(16))
+
+
+def hash_bits(shape: tuple[int, ...], word: jax.Array) -> jax.Array:
+  """A pseudo-random uint32 per entry of an array of ``shape``, from one
+  uint32 ``word``: :func:`mix32` of the entry's flat index mixed with the
+  word. No PRNG key and no loop (``jax.random``'s threefry is a ``while``
+  loop, which makes XLA's simplification passes run over the whole update
+  once more); an iota, so a sharded array gets its shard's entries.
+  """
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for d in reversed(range(len(shape))):
+    iota = jax.lax.broadcasted_iota(jnp.uint32, shape, d)
+    index = index + iota * jnp.uint32(stride & 0xFFFFFFFF)
+    stride *= shape[d]
+  return mix32(index * jnp.uint32(0x9E3779B1) + word)
+
+
 def take(vector: jax.Array, indices: Any) -> jax.Array:
   """``vector[indices]`` for constant integer ``indices``, as the gather XLA
   would rewrite it into (a ``(k, 1)`` slice per index, then a reshape): a

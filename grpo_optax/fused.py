@@ -87,6 +87,7 @@ class _Mask(NamedTuple):
   alpha: Any
   every: Any
   scale: Any
+  accumulator_format: Any = None  # a StateFormat, or None (params' dtype)
 
 
 class _Adam(NamedTuple):
@@ -104,7 +105,11 @@ class _Adam(NamedTuple):
 
 
 def _init_mask(params, cfg: _Mask):
-  acc = optax.tree.zeros_like(params) if cfg.error_feedback else None
+  acc = (
+    sparsify.init_accumulator(params, cfg.accumulator_format)
+    if cfg.error_feedback
+    else None
+  )
   zeros = _common.leaf_scalars(params)
   tau = _common.leaf_scalars(params)  # its own buffer (state is donated)
   one = None if cfg.error_feedback else jnp.ones([], jnp.float32)
@@ -152,12 +157,22 @@ def _mask_phase(x_leaves, cfg: _Mask | None, state, treedef):
   t = state.count
   n = len(x_leaves)
   accs = (
-    treedef.flatten_up_to(state.accumulator)
+    sparsify.read_accumulator(state.accumulator, treedef)
     if cfg.error_feedback
     else [None] * n
   )
   dense = [sparsify.dense_leaf(x.size, cfg.min_size) for x in x_leaves]
   a_leaves = sparsify.accumulate_leaves(x_leaves, accs, state.thresholds, dense)
+  stored = None
+  if cfg.error_feedback:
+    stored, a_leaves = sparsify.store_accumulator(
+      a_leaves,
+      state.accumulator,
+      treedef,
+      dense,
+      cfg.accumulator_format,
+      sparsify.accumulator_word(cfg.seed, t),
+    )
   sizes = [a.size for a in a_leaves]
   kept = None
   if cfg.kind == "topk":
@@ -182,16 +197,7 @@ def _mask_phase(x_leaves, cfg: _Mask | None, state, treedef):
       )
   new_state = type(state)(
     count=_common.safe_increment(t),
-    accumulator=(
-      treedef.unflatten(
-        [
-          sparsify.new_accumulator(a, acc, d)
-          for a, acc, d in zip(a_leaves, accs, dense)
-        ]
-      )
-      if cfg.error_feedback
-      else None
-    ),
+    accumulator=stored,
     thresholds=found.vector + 0 * state.thresholds,
     kept_fraction=(
       None
@@ -383,7 +389,9 @@ def clip_mask_adam(
       momentum.update_dtypes(  # optax's (the accumulator: the params')
         updates,
         params
-        if params is not None or mask is None
+        if params is not None
+        or mask is None
+        or mask.accumulator_format is not None
         else state.mask.accumulator,
         (ad.mu if adam.mu_format is None else None, adam.mu_dtype),
         (ad.nu if adam.nu_format is None else None, adam.nu_dtype),

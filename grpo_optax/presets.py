@@ -83,6 +83,7 @@ def grpo(
   nu_dtype: Any | None = None,
   mu_format: Any | None = None,
   nu_format: Any | None = None,
+  accumulator_format: str | None = None,
   variance_coef: float | None = None,
   variance_decay: float = 0.99,
   variance_reduction: str = "leaf",
@@ -192,6 +193,11 @@ def grpo(
       ``"bfloat16_sr"``, ``"int8"``: block-wise 8-bit, see
       :mod:`grpo_optax.quantization`), or None (``mu_dtype``).
     nu_format: the same for the second moment (``"uint8"`` for 8-bit).
+    accumulator_format: storage of the mask's error-feedback accumulator:
+      None (the params' dtype), ``"float32"``, ``"bfloat16_sr"`` or
+      ``"int8_sr"`` (block-wise 8 bits), the lossy ones rounded
+      stochastically (unbiased); the mask, the update and the next
+      residual all read the stored value.
     variance_coef: coefficient of the variance rate, or None for off.
     variance_decay: EMA decay of the variance estimate.
     variance_reduction: ``"element"``, ``"leaf"`` or ``"global"``.
@@ -282,6 +288,7 @@ def grpo(
     nu_dtype,
     mu_format,
     nu_format,
+    accumulator_format,
   )
   stages = []
   if use_core and not (importance and importance_placement == "input"):
@@ -356,6 +363,7 @@ def _rooms(
   nu_dtype,
   mu_format,
   nu_format,
+  accumulator_format,
   variance_coef,
   variance_decay,
   variance_eps,
@@ -389,6 +397,7 @@ def _rooms(
       min_size=("min_size", min_size),
       warmup_steps=("sparsify_warmup_steps", sparsify_warmup_steps),
       seed=("seed", seed),
+      accumulator_format=("accumulator_format", accumulator_format),
     ),
     "threshold": _stage(
       ema_threshold_mask,
@@ -397,6 +406,8 @@ def _rooms(
       scale=("threshold_scale", threshold_scale),
       error_feedback=("error_feedback", error_feedback),
       min_size=("min_size", min_size),
+      seed=("seed", seed),
+      accumulator_format=("accumulator_format", accumulator_format),
     ),
     "adaptive": _stage(
       scale_by_nesterov_adam_rms,
@@ -456,6 +467,7 @@ def _core(
   nu_dtype,
   mu_format=None,
   nu_format=None,
+  accumulator_format=None,
 ) -> optax.GradientTransformationExtraArgs:
   """The fused clip + mask + Adam core (arguments validated by _rooms)."""
   f32 = _common.f32
@@ -478,6 +490,11 @@ def _core(
       alpha=f32(alpha),
       every=every,
       scale=f32(threshold_scale),
+      accumulator_format=(
+        None
+        if accumulator_format is None
+        else quantization.state_format(accumulator_format)
+      ),
     )
   adam = fused_lib._Adam(  # pylint: disable=protected-access
     b1=f32(b1),

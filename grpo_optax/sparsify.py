@@ -43,6 +43,7 @@ import numpy as np
 import optax
 
 from grpo_optax import _common
+from grpo_optax import quantization
 
 __all__ = (
   "EmaThresholdMaskState",
@@ -130,16 +131,123 @@ def _accumulate_leaf(x: jax.Array, acc: jax.Array, threshold: jax.Array):
   return accumulate(x, acc, threshold).astype(x.dtype)
 
 
-def new_accumulator(a: jax.Array, acc: Any, dense: Any) -> jax.Array:
-  """The accumulator a leaf keeps: ``a``; 0 on a dense leaf, whose
-  threshold (:data:`RESIDUAL_ONLY`) makes the accumulator its residual (a
-  statically dense leaf's is never written).
+#: Storage formats of the error-feedback accumulator (``accumulator_format``):
+#: None keeps the params' dtype. Only unbiased lossy formats are offered:
+#: rounding to nearest makes a small gradient vanish into a large residual
+#: every step (bf16 keeps 8 bits, so a gradient below 1/256 of its entry is
+#: lost; an 8-bit block rounds entries below 1/32,000 of its maximum to 0).
+ACCUMULATOR_FORMATS = ("float32", "bfloat16_sr", "int8_sr")
+_ACC_LANE = 8  # random_words lane of the accumulator's rounding noise
+
+
+def check_accumulator_format(value: Any) -> Any:
+  """The accumulator's :class:`~grpo_optax.quantization.StateFormat` (None
+  for the params' dtype); a ``ValueError`` names the argument otherwise.
   """
-  if dense is True:
-    return acc
-  if dense is not False:
-    a = jnp.where(dense, jnp.zeros_like(a), a)
-  return a.astype(acc.dtype)
+  if value is None:
+    return None
+  if value in ("bfloat16", "int8"):
+    raise ValueError(
+      f"accumulator_format must be one of {ACCUMULATOR_FORMATS} or None, got "
+      f"{value!r}: rounding to nearest loses every gradient entry below half "
+      "a step of its accumulated entry, at every step (the error feedback "
+      f"would no longer carry it); use {value + '_sr'!r}, which rounds "
+      "stochastically and loses nothing on average"
+    )
+  _common.check_choice(
+    "accumulator_format", value, (*ACCUMULATOR_FORMATS, None)
+  )
+  return quantization.state_format(value)
+
+
+def init_accumulator(params: Any, fmt: Any) -> Any:
+  """Zeros for the accumulator, stored in ``fmt`` (None: the params')."""
+  if fmt is None:
+    return optax.tree.zeros_like(params)
+  return quantization.tree_init(fmt, params)
+
+
+def _stored_format(stored: Any) -> Any:
+  """The format of a stored accumulator, read off its structure: the named
+  formats of :data:`ACCUMULATOR_FORMATS` all use the default layout.
+  """
+  if isinstance(stored, quantization.Quantized):
+    return quantization.state_format("int8_sr")
+  return None
+
+
+def read_accumulator(stored: Any, treedef: Any) -> list[Any]:
+  """The accumulator's leaves as arrays (decoded from an 8-bit form)."""
+  fmt = _stored_format(stored)
+  if fmt is None:
+    return treedef.flatten_up_to(stored)
+  return [
+    quantization.decode(fmt, quantization.Quantized(c, s))
+    for c, s in zip(
+      treedef.flatten_up_to(stored.codes), treedef.flatten_up_to(stored.scale)
+    )
+  ]
+
+
+def store_accumulator(
+  a_leaves: list[jax.Array],
+  stored: Any,
+  treedef: Any,
+  dense: list[Any],
+  fmt: Any,
+  word: jax.Array,
+) -> tuple[Any, list[jax.Array]]:
+  """The new stored accumulator and the values its readers must use.
+
+  A leaf keeps ``a``, or 0 on a dense leaf (its threshold
+  :data:`RESIDUAL_ONLY` makes the accumulator its residual; a statically
+  dense leaf's is never written). In a lossy ``fmt`` the stored value is
+  rounded stochastically (noise :func:`grpo_optax._common.hash_bits` of
+  ``word``, unbiased), and the mask, the update and the next step's
+  residual all read that stored value (returned as the second element), so
+  that nothing but the rounding's zero-mean error is lost; reading ``a``
+  instead would also make XLA copy the donated accumulator (it is read
+  after being overwritten in place).
+  """
+  old = treedef.flatten_up_to(
+    stored.codes if _stored_format(stored) else stored
+  )
+  scales = (
+    treedef.flatten_up_to(stored.scale) if _stored_format(stored) else old
+  )
+  new_stored, new_scales, read = [], [], list(a_leaves)
+  for i, (a, o, sc, d) in enumerate(zip(a_leaves, old, scales, dense)):
+    if d is True:
+      new_stored.append(o)
+      new_scales.append(sc)
+      continue
+    value = a if d is False else jnp.where(d, jnp.zeros_like(a), a)
+    if fmt is None or fmt.name == "float32":
+      new_stored.append(value.astype(o.dtype))
+      new_scales.append(sc)
+      continue
+    enc = quantization.encode(fmt, value, bits=_common.hash_bits(a.shape, word))
+    if fmt.blocked:
+      new_stored.append(enc.codes)
+      new_scales.append(enc.scale)
+    else:
+      new_stored.append(enc)
+      new_scales.append(sc)
+    dec = quantization.decode(fmt, enc).astype(a.dtype)
+    read[i] = dec if d is False else jnp.where(d, a, dec)
+  if fmt is not None and fmt.blocked:
+    return (
+      quantization.Quantized(
+        treedef.unflatten(new_stored), treedef.unflatten(new_scales)
+      ),
+      read,
+    )
+  return treedef.unflatten(new_stored), read
+
+
+def accumulator_word(seed: Any, count: jax.Array) -> jax.Array:
+  """The step's uint32 word of the accumulator's rounding noise."""
+  return random_words(seed, count, _ACC_LANE + 1)[_ACC_LANE]
 
 
 def ema_threshold(
@@ -202,20 +310,6 @@ def sample_size(n: int) -> int:
 _OFFSET_BITS = 8  # one random word per axis position (axes >= 8 wrap)
 
 
-def _mix32(x: Any) -> Any:
-  """MurmurHash3's 32-bit finaliser: a bijection of uint32 that spreads every
-  input bit over the output (NumPy or JAX scalars).
-  """
-  u32: Any = (
-    np.uint32 if isinstance(x, (np.ndarray, np.generic)) else jnp.uint32
-  )
-  x = x ^ (x >> u32(16))
-  x = x * u32(0x85EBCA6B)
-  x = x ^ (x >> u32(13))
-  x = x * u32(0xC2B2AE35)
-  return x ^ (x >> u32(16))
-
-
 def random_words(seed: Any, count: jax.Array, n: int) -> list[jax.Array]:
   """``n`` pseudo-random uint32 scalars drawn from ``(seed, count)``.
 
@@ -228,12 +322,14 @@ def random_words(seed: Any, count: jax.Array, n: int) -> list[jax.Array]:
   """
   if isinstance(seed, (int, np.integer)):
     with np.errstate(over="ignore"):
-      s = jnp.asarray(_mix32(np.uint32(seed) ^ np.uint32(0x9E3779B9)))
+      s = jnp.asarray(_common.mix32(np.uint32(seed) ^ np.uint32(0x9E3779B9)))
   else:
-    s = _mix32(jnp.asarray(seed).astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9))
-  c = _mix32(count.astype(jnp.uint32) * jnp.uint32(0x85EBCA77) + s)
+    s = _common.mix32(
+      jnp.asarray(seed).astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9)
+    )
+  c = _common.mix32(count.astype(jnp.uint32) * jnp.uint32(0x85EBCA77) + s)
   return [
-    _mix32(c + jnp.uint32((0xC2B2AE3D * (i + 1)) & 0xFFFFFFFF))
+    _common.mix32(c + jnp.uint32((0xC2B2AE3D * (i + 1)) & 0xFFFFFFFF))
     for i in range(n)
   ]
 
@@ -458,7 +554,10 @@ def sampled_kept(a: jax.Array, threshold: jax.Array) -> jax.Array:
 def exact_kept_fraction(accumulator, thresholds) -> jax.Array:
   """Exact kept fraction of the last step, from an accumulator state."""
   kept, total = jnp.zeros((), jnp.float32), 0
-  for a, th in zip(jax.tree.leaves(accumulator), _common.unstack(thresholds)):
+  leaves = read_accumulator(
+    accumulator, jax.tree.structure(_plain(accumulator))
+  )
+  for a, th in zip(leaves, _common.unstack(thresholds)):
     n = jnp.sum(keep_mask(a, th.astype(a.dtype)) & (th >= 0), dtype=jnp.float32)
     kept = kept + jnp.where(
       th >= 0, n, a.size - jnp.sum(a != 0, dtype=jnp.float32)
@@ -467,10 +566,18 @@ def exact_kept_fraction(accumulator, thresholds) -> jax.Array:
   return kept / total if total else jnp.ones((), jnp.float32)
 
 
+def _plain(accumulator):
+  """The params-shaped tree of a stored accumulator (codes of an 8-bit one)."""
+  if _stored_format(accumulator) is not None:
+    return accumulator.codes
+  return accumulator
+
+
 def _residual_tree(accumulator, thresholds):
   if accumulator is None:
     return None
-  leaves, treedef = jax.tree.flatten(accumulator)
+  treedef = jax.tree.structure(_plain(accumulator))
+  leaves = read_accumulator(accumulator, treedef)
   return treedef.unflatten(
     [residual_of(a, t) for a, t in zip(leaves, _common.unstack(thresholds))]
   )
@@ -558,7 +665,7 @@ def _check_leaves(who, state, updates, leaves):
   params-shaped buffer of the state (if it keeps one), their count against
   the per-leaf vectors.
   """
-  like = state.accumulator
+  like = None if state.accumulator is None else _plain(state.accumulator)
   if like is None:
     like = getattr(state, "frequency", None)
   if like is not None:
@@ -678,6 +785,7 @@ def top_k_mask(
   *,
   frequency_decay: float = 0.9,
   seed: int = 0,
+  accumulator_format: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Keeps the largest ``fraction`` of each leaf's entries, with error feedback.
 
@@ -718,7 +826,12 @@ def top_k_mask(
     min_size: leaves smaller than this pass dense, int >= 0.
     warmup_steps: length of the sparsity warm-up, int >= 0.
     frequency_decay: EMA decay of the kept indicator, in [0, 1).
-    seed: seed of the sample's offsets, int >= 0.
+    seed: seed of the sample's offsets (and of the accumulator's stochastic
+      rounding), int >= 0.
+    accumulator_format: storage of the error-feedback accumulator: None (the
+      params' dtype), ``"float32"``, ``"bfloat16_sr"`` (2 bytes) or
+      ``"int8_sr"`` (block-wise 8 bits, 1 byte + 4 per 256 entries), the
+      lossy ones rounded stochastically (:data:`ACCUMULATOR_FORMATS`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -750,6 +863,7 @@ def top_k_mask(
   static_warmup = static_int("warmup_steps", warmup_steps, 0)
   static_int("seed", seed, 0)
   _common.check_bool("error_feedback", error_feedback)
+  acc_fmt = check_accumulator_format(accumulator_format)
   static_fraction = (
     _common.concrete_value(fraction) if static_warmup == 0 else None
   )
@@ -762,7 +876,9 @@ def top_k_mask(
   def init_fn(params):
     return TopKMaskState(
       count=jnp.zeros([], jnp.int32),
-      accumulator=optax.tree.zeros_like(params) if error_feedback else None,
+      accumulator=(
+        init_accumulator(params, acc_fmt) if error_feedback else None
+      ),
       thresholds=_scalars(params),
       frequency=(
         optax.tree.zeros_like(params, dtype=jnp.float32)
@@ -779,12 +895,26 @@ def top_k_mask(
     t = state.count
     leaves, treedef = jax.tree.flatten(updates)
     _check_leaves("top_k_mask", state, updates, leaves)
-    accs = _flat_or_none(state.accumulator, treedef, len(leaves))
+    accs = (
+      read_accumulator(state.accumulator, treedef)
+      if error_feedback
+      else [None] * len(leaves)
+    )
     freq = _flat_or_none(state.frequency, treedef, len(leaves))
     frac = warmup_fraction(fraction, warmup_steps, t)
     dense = [dense_leaf(g.size, min_size) for g in leaves]
+    stored = None
     if by_threshold:
       a_leaves = accumulate_leaves(leaves, accs, state.thresholds, dense)
+      if error_feedback:
+        stored, a_leaves = store_accumulator(
+          a_leaves,
+          state.accumulator,
+          treedef,
+          dense,
+          acc_fmt,
+          accumulator_word(seed, t),
+        )
       found = topk_leaf_thresholds(a_leaves, dense, frac, seed, t)
       thresholds = found.vector + (0 * state.thresholds)
       kept = found.kept
@@ -810,16 +940,22 @@ def top_k_mask(
       )
       kept = _common.stack(kept_list)
       thresholds = 0 * state.thresholds + RESIDUAL_ONLY
-    outs, new_acc = [], []
-    for a, keep, acc, d in zip(a_leaves, keeps, accs, dense):
-      out, res = (a, None) if keep is None else split_by_mask(a, keep)
+    outs, residuals = [], []
+    for a, keep, acc in zip(a_leaves, keeps, accs):
+      out, res = (
+        (a, jnp.zeros_like(a)) if keep is None else split_by_mask(a, keep)
+      )
       outs.append(out if acc is None else out.astype(_out_dtype(a, acc)))
-      if acc is None:
-        continue
-      if by_threshold or res is None:
-        new_acc.append(new_accumulator(a, acc, d))
-      else:  # the residual itself (threshold RESIDUAL_ONLY)
-        new_acc.append(res.astype(acc.dtype))
+      residuals.append(res)
+    if error_feedback and not by_threshold:  # the residual itself
+      stored, _ = store_accumulator(
+        residuals,
+        state.accumulator,
+        treedef,
+        dense,
+        acc_fmt,
+        accumulator_word(seed, t),
+      )
     new_freq = None
     if use_frequency:
       new_freq = treedef.unflatten(
@@ -830,7 +966,7 @@ def top_k_mask(
       )
     return treedef.unflatten(outs), TopKMaskState(
       count=_common.safe_increment(t),
-      accumulator=treedef.unflatten(new_acc) if error_feedback else None,
+      accumulator=stored,
       thresholds=thresholds,
       frequency=new_freq,
       kept_fraction=(
@@ -970,6 +1106,9 @@ def ema_threshold_mask(
   scale: float = 1.0,
   error_feedback: bool = True,
   min_size: int = 0,
+  *,
+  seed: int = 0,
+  accumulator_format: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Keeps entries whose magnitude exceeds a slowly moving per-leaf threshold.
 
@@ -998,6 +1137,9 @@ def ema_threshold_mask(
     scale: multiplier ``c`` of the threshold, >= 0.
     error_feedback: carry the masked-out part to the next step.
     min_size: leaves smaller than this pass dense, int >= 0.
+    seed: seed of the accumulator's stochastic rounding, int >= 0.
+    accumulator_format: storage of the error-feedback accumulator, as in
+      :func:`top_k_mask`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -1020,14 +1162,18 @@ def ema_threshold_mask(
   static_int("every", every, 1)
   _common.check_range("scale", scale, 0.0)
   static_int("min_size", min_size, 0)
+  static_int("seed", seed, 0)
   _common.check_bool("error_feedback", error_feedback)
+  acc_fmt = check_accumulator_format(accumulator_format)
   alpha = _common.f32(alpha)
   scale = _common.f32(scale)
 
   def init_fn(params):
     return EmaThresholdMaskState(
       count=jnp.zeros([], jnp.int32),
-      accumulator=optax.tree.zeros_like(params) if error_feedback else None,
+      accumulator=(
+        init_accumulator(params, acc_fmt) if error_feedback else None
+      ),
       thresholds=_scalars(params),
       tau=_scalars(params),
       kept_fraction=None if error_feedback else jnp.ones([], jnp.float32),
@@ -1038,25 +1184,37 @@ def ema_threshold_mask(
     t = state.count
     leaves, treedef = jax.tree.flatten(updates)
     _check_leaves("ema_threshold_mask", state, updates, leaves)
-    accs = _flat_or_none(state.accumulator, treedef, len(leaves))
+    accs = (
+      read_accumulator(state.accumulator, treedef)
+      if error_feedback
+      else [None] * len(leaves)
+    )
     dense = [dense_leaf(g.size, min_size) for g in leaves]
     a_leaves = accumulate_leaves(leaves, accs, state.thresholds, dense)
+    stored = None
+    if error_feedback:
+      stored, a_leaves = store_accumulator(
+        a_leaves,
+        state.accumulator,
+        treedef,
+        dense,
+        acc_fmt,
+        accumulator_word(seed, t),
+      )
     found, tau = threshold_leaf_thresholds(
       a_leaves, dense, state.tau, alpha, t, every, scale
     )
-    outs, new_acc, kept = [], [], []
-    for a, th, acc, d in zip(a_leaves, found.leaves, accs, dense):
+    outs, kept = [], []
+    for a, th, acc in zip(a_leaves, found.leaves, accs):
       out = a if th is None else masked_part(a, th)
       outs.append(out if acc is None else out.astype(_out_dtype(a, acc)))
       if not error_feedback:
         kept.append(
           jnp.ones((), jnp.float32) if th is None else sampled_kept(a, th)
         )
-      if acc is not None:
-        new_acc.append(new_accumulator(a, acc, d))
     return treedef.unflatten(outs), EmaThresholdMaskState(
       count=_common.safe_increment(t),
-      accumulator=treedef.unflatten(new_acc) if error_feedback else None,
+      accumulator=stored,
       thresholds=found.vector + 0 * state.thresholds,
       tau=tau + 0 * state.tau,
       kept_fraction=(
