@@ -108,7 +108,7 @@ BASELINE_TEXT = {
 CANDIDATES: dict[str, tuple[dict[str, Any], str]] = {
   "dense": ({"sparsify": None}, "clip at norm 1 + NAdam, no mask"),
   "topk_0.1": ({"fraction": 0.1}, "top-k 10% + error feedback"),
-  "topk_0.3": ({}, "top-k 30% + error feedback (today's grpo())"),
+  "topk_0.3": ({}, "top-k 30% + error feedback: today's grpo()"),
   "topk_0.5": ({"fraction": 0.5}, "top-k 50% + error feedback"),
   "topk_0.1_all": (
     {"fraction": 0.1, "min_size": 0},
@@ -596,17 +596,48 @@ def markdown(report: dict) -> str:
     "",
     "## Tasks",
     "",
-    "| task | what | steps | seeds | learning rates | score |",
-    "|---|---|---|---|---|---|",
+    "| task | what | steps | seeds | learning rates | score | s per run |",
+    "|---|---|---|---|---|---|---|",
   ]
   for name, t in report["tasks"].items():
+    per_run = [
+      r[name]["wall_per_run_s"] for r in report["runs"].values() if name in r
+    ]
     lines.append(
       f"| {name} | {t['description']} | {t['steps']} | {len(t['seeds'])} | "
       + ", ".join(f"{x:g}" for x in t["lrs"])
-      + f" | {t['metric']} |"
+      + f" | {t['metric']} | {statistics.median(per_run):.2f} |"
     )
-  lines += ["", f"![quality against cost]({STEM}.png)", ""]
+  lines += [
+    "",
+    "Seconds per run: the median over the optimizers of a sweep's wall "
+    "time (compilation included) over its runs.",
+    "",
+    "## Best learning rates (* = at the edge of the sweep)",
+    "",
+    *best_lr_table(report),
+    "",
+    f"![quality against cost]({STEM}.png)",
+    "",
+  ]
   return "\n".join(lines)
+
+
+def best_lr_table(report: dict) -> list[str]:
+  tasks = list(report["tasks"])
+  lines = [
+    "| optimizer | " + " | ".join(tasks) + " |",
+    "|---|" + "---|" * len(tasks),
+  ]
+  for opt in report["summary"]:
+    cells = []
+    for t in tasks:
+      r = report["runs"][opt].get(t, {})
+      lr = r.get("best_lr")
+      edge = "" if r.get("interior") else "*"
+      cells.append("diverged" if lr is None else f"{lr:g}{edge}")
+    lines.append(f"| {opt} | " + " | ".join(cells) + " |")
+  return lines
 
 
 def plot(report: dict, path: str) -> None:
@@ -631,6 +662,7 @@ def plot(report: dict, path: str) -> None:
       color = "tab:red" if opt == chosen else color
       ax.scatter(e[key], e["geomean"], color=color, s=22)
       ax.annotate(opt, (e[key], e["geomean"]), fontsize=6.5, alpha=0.85)
+    ax.axhline(1.0, color="k", lw=0.6, alpha=0.5)
     ax.set_xlabel(label, fontsize=9)
     ax.grid(True, alpha=0.3)
   axes[0].set_ylabel("geometric mean of score / best baseline's", fontsize=9)

@@ -8,21 +8,22 @@ MLP, two layer norms; matrices of 4,096 entries and more (so ``min_size=1024``
 masks them), vectors of 64-256 (so it does not). Nothing is downloaded:
 
 * ``gpt4`` -- a decoder-only, pre-norm, causal character-level LM in plain
-  JAX: 4 blocks, width 64, 4 heads, MLP 256, context 64, learned positions,
-  an untied output layer; 70 leaves, 232,544 parameters for the 96-symbol
+  JAX: 4 blocks, width 64, 4 heads, MLP 256, context 32, learned positions,
+  an untied output layer; 70 leaves, 214,496 parameters for the 96-symbol
   vocabulary of the corpus below. Data: the source text of the five
   standard-library modules of ``charlm`` (228k characters, ships with
-  Python), cut into 2,048-character chunks of which every tenth is held
-  out. Batch 16 windows of 65 characters; the loss is the mean next-character
-  cross-entropy over every position. Held-out: 128 fixed windows of the
-  held-out chunks (8,192 predictions).
-* ``gpt8`` -- the same at 8 blocks: 134 leaves, 432,224 parameters.
-* ``mlm4`` -- the BERT example's encoder (``examples.bert_mlm``, reused
-  through :func:`benchmarks.problems.bert`) at 4 layers, width 64, 4 heads,
-  MLP 256, byte-level BPE vocabulary 1,024 trained on CPython's pydoc
-  topics, sequences of 64 tokens, BERT masking of 10 positions per sequence,
-  batch 16; 70 leaves (3-D attention kernels). Held-out: the MLM loss on 128
-  sequences of held-out paragraphs with fixed masks.
+  Python), cut into 2,048-character chunks of which every tenth is held out
+  (205,388 train / 22,528 held-out characters). Batch 16 windows of 33
+  characters; the loss is the mean next-character cross-entropy over every
+  position. Held-out: 256 fixed windows of the held-out chunks (8,192
+  predictions).
+* ``gpt8`` -- the same at 8 blocks: 134 leaves, 414,432 parameters.
+* ``mlm4`` -- the BERT example's encoder (``examples.bert_mlm``: 3-D
+  attention kernels, ``nnx.LinearGeneral``) at 4 layers, width 64, 4 heads,
+  MLP 256, on the same characters (98 ids with ``[SEP]`` and ``[MASK]``):
+  batch 8 windows of 64 with BERT masking (10 positions each); 70 leaves,
+  216,802 parameters. Held-out: the MLM loss of 256 held-out windows masked
+  once with a fixed key (2,560 predictions).
 
 Budgets (:data:`STEPS`): 400 steps each (``quick``: 200); the study's
 sweep is 4 learning rates (:data:`LRS`) x 3 seeds. The metric is the
@@ -33,7 +34,6 @@ traced argument, so the 12 runs of a sweep reuse it).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -163,9 +163,9 @@ def gpt(
   width: int = 64,
   heads: int = 4,
   mlp: int = 256,
-  context: int = 64,
+  context: int = 32,
   batch_size: int = 16,
-  max_eval: int = 128,
+  max_eval: int = 256,
 ) -> problems_lib.Task:
   """A decoder-only character LM with ``blocks`` blocks (see the module)."""
   train_np, held_np, vocab = char_corpus()
@@ -225,36 +225,91 @@ def mlm(
   hidden: int = 64,
   heads: int = 4,
   ffn: int = 256,
-  vocab_size: int = 1024,
   seq_len: int = 64,
-  batch_size: int = 16,
+  batch_size: int = 8,
+  max_eval: int = 256,
 ) -> problems_lib.Task:
-  """The BERT example's MLM encoder at ``layers`` layers (see the module)."""
-  task = problems_lib.bert(
-    steps=steps,
-    batch_size=batch_size,
+  """The BERT example's MLM encoder on the character corpus (see the module).
+
+  Ids 0 and 1 are the example's ``[SEP]`` and ``[MASK]``; characters follow.
+  A batch is ``batch_size`` windows of ``seq_len`` training characters with
+  the example's BERT masking (``input_pipeline.mask_tokens``: 15% of the
+  positions, 80% of them ``[MASK]``, 10% a random character, 10% kept);
+  the held-out set is ``max_eval`` windows of the held-out chunks, masked
+  once with a fixed key.
+  """
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from examples.bert_mlm import input_pipeline  # pylint: disable=g-import-not-at-top
+  from examples.bert_mlm import models  # pylint: disable=g-import-not-at-top
+
+  special = len(input_pipeline.SPECIAL_TOKENS)
+  train_np, held_np, chars = char_corpus()
+  vocab = chars + special
+  train = jnp.asarray(train_np + special)
+  n_eval = min(max_eval, len(held_np) // seq_len)
+  held = jnp.asarray(held_np[: n_eval * seq_len] + special).reshape(
+    n_eval, seq_len
+  )
+  config = models.BertConfig(
+    vocab_size=vocab,
+    max_len=seq_len,
     hidden=hidden,
     num_layers=layers,
     num_heads=heads,
     ffn=ffn,
-    vocab_size=vocab_size,
-    seq_len=seq_len,
-    max_eval=128,
   )
-  params = jax.eval_shape(lambda: task.init(jax.random.key(0))[0])
-  leaves = jax.tree.leaves(params)
+  init, module = problems_lib._nnx_functional(  # pylint: disable=protected-access
+    lambda rngs: models.BertMLM(config, rngs=rngs), (nnx.Param,)
+  )
+  masks = lambda key, tokens: input_pipeline.mask_tokens(
+    key,
+    tokens,
+    num_predictions=input_pipeline.num_predictions(seq_len, 0.15),
+    vocab_size=vocab,
+  )
+  held_inputs = masks(jax.random.key(12345), held)
+
+  def nll(params, inputs, positions, targets):
+    logits = module(params).apply_with_entropy(inputs, positions=positions)[0]
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, targets
+    ).mean()
+
+  def batch(key):
+    k_start, k_mask = jax.random.split(key)
+    start = jax.random.randint(
+      k_start, (batch_size,), 0, train.shape[0] - seq_len
+    )
+    return masks(k_mask, train[start[:, None] + jnp.arange(seq_len)])
+
+  leaves = jax.tree.leaves(jax.eval_shape(lambda: init(jax.random.key(0))))
   n_params = sum(x.size for x in leaves)
-  return dataclasses.replace(
-    task,
+  return problems_lib.Task(
     name=f"mlm{layers}",
-    description=task.description + f" ({n_params:,} parameters, "
-    f"{len(leaves)} leaves)",
+    description=(
+      f"BERT MLM of examples/bert_mlm, {layers} layers, hidden {hidden}, "
+      f"{heads} heads, ffn {ffn} ({n_params:,} parameters, {len(leaves)} "
+      f"leaves) on the stdlib text as characters ({vocab} ids), windows of "
+      f"{seq_len}, BERT masking, batch {batch_size}"
+    ),
+    init=lambda key: (init(key), None),
+    loss=lambda p, s, b: (nll(p[0], *b), s),
+    batch=batch,
+    steps=steps,
+    quick_steps=steps // 2,
     lrs=LRS,
+    evaluate=lambda p, s: {"loss": nll(p[0], *held_inputs)},
     eval_every=100,
+    vectorize=False,
     seeds=3,
     quick_seeds=3,
-    quick_steps=steps // 2,
-    info={**task.info, "parameters": n_params, "leaves": len(leaves)},
+    info={
+      "parameters": n_params,
+      "leaves": len(leaves),
+      "vocab": vocab,
+      "heldout_predictions": int(held_inputs[1].size),
+    },
   )
 
 
