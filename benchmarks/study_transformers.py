@@ -15,7 +15,7 @@ step); a learning rate at which a seed diverged does not count. The ratio of
 a score to the best baseline's score on the task (the lowest of Adam, NAdam
 and AdamW) is the candidate's quality on that task.
 
-Candidates (:data:`CANDIDATES`, ``grpo(lr, **kwargs)``, one-pass form):
+Candidates (:data:`CANDIDATES`, ``grpo(lr, **kwargs)`` in the form it picks):
 dense (clipping at norm 1 + the NAdam room, ``sparsify=None``); the sampled
 top-k with error feedback at fractions 0.1, 0.3 (today's default) and 0.5,
 each with ``min_size`` 1,024 (today) and 0 (every leaf); the EMA threshold
@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -139,8 +138,8 @@ CANDIDATES: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 # 4 learning rates per task of the convergence suite: the 1-3-10 ladder
-# around the best rates of Adam, NAdam and grpo() in
-# benchmarks/results/convergence.json (every one of them inside the window).
+# around the best rates (by training loss) of Adam, NAdam and grpo() in
+# benchmarks/results/convergence.json, every one of them inside the window.
 SUITE_LRS = {
   "linreg": (3e-3, 1e-2, 3e-2, 1e-1),
   "teacher": (3e-3, 1e-2, 3e-2, 1e-1),
@@ -183,18 +182,6 @@ def factories(candidates) -> dict[str, Callable]:
     kwargs = CANDIDATES[name][0]
     out[name] = lambda lr, kw=kwargs: grpo_optax.grpo(lr, **kw)
   return out
-
-
-def grpo_kwargs(name: str) -> dict[str, Any]:
-  """The candidate's full ``grpo()`` keywords that differ from the library
-  defaults, plus the defaults of the keywords the study varies.
-  """
-  defaults = {
-    n: p.default
-    for n, p in inspect.signature(grpo_optax.grpo).parameters.items()
-  }
-  studied = ("sparsify", "fraction", "min_size", "importance", "variance_coef")
-  return {k: CANDIDATES[name][0].get(k, defaults[k]) for k in studied}
 
 
 # ------------------------------------------------------------- the rule
