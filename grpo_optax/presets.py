@@ -10,7 +10,11 @@ the rooms and how to add one.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
+from typing import TypeVar
+from typing import cast
 
 import numpy as np
 import optax
@@ -46,7 +50,32 @@ ARTICLE_DEFAULTS = {
   "min_size": 0,
 }
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 
+
+def _refuse_adamw_mask(fn: _F) -> _F:
+  """Refuses ``mask=`` with a ``TypeError`` that names ``weight_decay_mask``.
+
+  ``optax.adamw`` calls its weight-decay mask ``mask``; here a "mask" is the
+  gradient mask (``sparsify``, ``min_size``), so ``grpo`` does not take the
+  word as an alias and says which keyword is meant. The signature is
+  ``fn``'s (``functools.wraps``).
+  """
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    if "mask" in kwargs:
+      raise TypeError(
+        "grpo() got an unexpected keyword argument 'mask': optax.adamw's "
+        "mask (which leaves decay) is weight_decay_mask= here, beside "
+        "weight_decay=; the gradient mask is sparsify= / min_size="
+      )
+    return fn(*args, **kwargs)
+
+  return cast(_F, wrapper)
+
+
+@_refuse_adamw_mask
 def grpo(
   learning_rate: float | optax.Schedule = 1e-3,
   *,
@@ -155,7 +184,9 @@ def grpo(
       None (off).
     weight_decay: decoupled weight decay as in ``optax.adamw``, or None.
     weight_decay_mask: a tree of bools (or a callable of params returning
-      one) choosing the leaves that decay, as ``optax.adamw``'s ``mask``.
+      one) choosing the leaves that decay, as ``optax.adamw``'s ``mask``
+      (``mask=`` itself raises a ``TypeError`` naming this keyword: a
+      "mask" here is the gradient mask).
     importance: enable Taylor importance weighting.
     importance_placement: ``"input"`` (the articles' order: the weights
       scale the gradient before the adaptive step) or ``"output"`` (they
