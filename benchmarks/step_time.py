@@ -25,6 +25,8 @@ import os
 import platform
 import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -377,10 +379,33 @@ def _compile_once(name: str, params) -> tuple[float, float, dict]:
   return wall, cpu, grpo_optax.hlo.fused_computations(compiled)
 
 
+def _compile_in_subprocess(name: str, n_layers: int) -> tuple:
+  """:func:`_compile_once` in a fresh Python process: a process that has
+  compiled large programs compiles the next ones slower (its heap and the
+  garbage collector's work grow), which would charge one optimizer for
+  another's compile.
+  """
+  code = (
+    "import json, sys; from benchmarks import step_time as s; "
+    f"w, c, f = s._compile_once({name!r}, s.layered_tree({n_layers})); "
+    "print('RESULT' + json.dumps([w, c, f]))"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    check=True,
+    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  ).stdout
+  wall, cpu, counts = json.loads(out.split("RESULT", 1)[1])
+  return wall, cpu, counts
+
+
 def compile_times(names, layers=(6, 24, 96), repeats=3) -> list[dict]:
   """Compile cost of the donated update + apply, per tree size.
 
-  ``repeats`` rounds, each compiling every optimizer once in turn (Adam
+  Every compile runs in a fresh process (:func:`_compile_in_subprocess`),
+  in ``repeats`` rounds that compile every optimizer once in turn (Adam
   first), so that a slow stretch of the machine weighs on every optimizer
   of a round; the ratio to Adam is the median over rounds of the ratio
   within a round, in process CPU time (XLA's compile threads included),
@@ -392,11 +417,10 @@ def compile_times(names, layers=(6, 24, 96), repeats=3) -> list[dict]:
   names = ["adam"] + [n for n in names if n != "adam"]
   rows = []
   for n_layers in layers:
-    params = layered_tree(n_layers)
     runs = {n: [] for n in names}
     for _ in range(repeats):
       for name in names:
-        runs[name].append(_compile_once(name, params))
+        runs[name].append(_compile_in_subprocess(name, n_layers))
     for name in names:
       ratios = [
         r[1] / a[1] for r, a in zip(runs[name], runs["adam"], strict=True)
@@ -414,6 +438,14 @@ def compile_times(names, layers=(6, 24, 96), repeats=3) -> list[dict]:
           fusions=counts["fusions"],
           distinct_fusions=counts["distinct"],
         )
+      )
+      r = rows[-1]
+      print(
+        f"compile {name:>20s} {r['leaves']:5d} leaves "
+        f"{r['compile_cpu_s']:7.2f} s CPU  x{r['ratio_to_adam']:.2f} adam "
+        f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f})  fused computations "
+        f"{r['distinct_fusions']} distinct / {r['fusions']}",
+        flush=True,
       )
   return rows
 
@@ -557,14 +589,6 @@ def main(argv=None):
       layers,
       repeats=args.compile_repeats,
     )
-    for r in compile_rows:
-      print(
-        f"compile {r['optimizer']:>20s} {r['leaves']:5d} leaves "
-        f"{r['compile_cpu_s']:7.2f} s CPU  x{r['ratio_to_adam']:.2f} adam "
-        f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f})  fused computations "
-        f"{r['distinct_fusions']} distinct / {r['fusions']}",
-        flush=True,
-      )
 
   meta = dict(
     device=f"{jax.devices()[0].device_kind} x{jax.device_count()}"
