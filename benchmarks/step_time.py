@@ -113,6 +113,17 @@ def optimizers(
     "grpo_topk_int8": lambda: g.grpo(
       lr, sparsify="topk", mu_format="int8", nu_format="uint8"
     ),
+    # The error-feedback accumulator stored compactly (accumulator_format).
+    "grpo_topk_acc_bf16": lambda: g.grpo(
+      lr, sparsify="topk", accumulator_format="bfloat16_sr"
+    ),
+    "grpo_topk_8bit": lambda: g.grpo(
+      lr,
+      sparsify="topk",
+      mu_format="int8",
+      nu_format="uint8",
+      accumulator_format="int8_sr",
+    ),
     "grpo_dense_chain": lambda: g.grpo(lr, sparsify=None, fused=False),
     "grpo_threshold_chain": lambda: g.grpo(
       lr, sparsify="threshold", fused=False
@@ -138,6 +149,8 @@ QUICK = (
   "grpo_threshold",
   "grpo_topk",
   "grpo_topk_int8",
+  "grpo_topk_acc_bf16",
+  "grpo_topk_8bit",
   "grpo_dense_chain",
   "grpo_threshold_chain",
   "grpo_topk_chain",
