@@ -379,8 +379,11 @@ def _round_bf16_stochastic(x: jax.Array, bits: jax.Array) -> jax.Array:
   x = x.astype(jnp.float32)
   word = jax.lax.bitcast_convert_type(x, jnp.uint32)
   noise = bits & np.uint32(0xFFFF)
-  rounded = (word + noise) & np.uint32(0xFFFF0000)
-  out = jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
+  # The upper half of the rounded word is the bf16 itself: built as bf16
+  # bits, so that XLA keeps the 2-byte result (the stored state) in memory,
+  # not a float32 copy of it.
+  high = ((word + noise) >> np.uint32(16)).astype(jnp.uint16)
+  out = jax.lax.bitcast_convert_type(high, jnp.bfloat16)
   return jnp.where(jnp.isfinite(x), out, x.astype(jnp.bfloat16))
 
 
