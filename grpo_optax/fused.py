@@ -33,10 +33,9 @@ layout at about 1.8x (``docs/design.md``, "Where fusion happens"):
 * The clip norm is one reduction per leaf and one sum of their stack, so
   that the value reaches each leaf's kernel as one scalar.
 * Compile time (``docs/design.md``, "Compile time"): per-leaf scalars are
-  split from their vectors by reductions (:func:`grpo_optax._common.
-  unstack`), the samples of one shape are stacked and bisected together,
-  and each leaf's Adam math is one jitted function that leaves of one shape
-  share.
+  split from their vectors by reductions (``_common.unstack``), the
+  samples of one shape are stacked and bisected together, and each leaf's
+  Adam math is one jitted function that leaves of one shape share.
 """
 
 from __future__ import annotations

@@ -831,7 +831,7 @@ def top_k_mask(
     accumulator_format: storage of the error-feedback accumulator: None (the
       params' dtype), ``"float32"``, ``"bfloat16_sr"`` (2 bytes) or
       ``"int8_sr"`` (block-wise 8 bits, 1 byte + 4 per 256 entries), the
-      lossy ones rounded stochastically (:data:`ACCUMULATOR_FORMATS`).
+      lossy ones rounded stochastically (``ACCUMULATOR_FORMATS``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
