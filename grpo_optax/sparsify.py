@@ -775,6 +775,18 @@ def _score_masks(
   return keeps, kept
 
 
+def _score_path(leaves, accs, thresholds, dense, score_args):
+  """``(a_leaves, keeps, kept)`` of the exact or frequency-weighted top-k,
+  whose accumulators hold their residuals (threshold :data:`RESIDUAL_ONLY`).
+  """
+  a_leaves = [
+    accumulate(g, acc, th).astype(g.dtype)
+    for g, acc, th in zip(leaves, accs, _common.unstack(thresholds))
+  ]
+  keeps, kept = _score_masks(a_leaves, dense, *score_args)
+  return a_leaves, keeps, _common.stack(kept)
+
+
 def top_k_mask(
   fraction: float = 0.3,
   error_feedback: bool = True,
@@ -923,22 +935,13 @@ def top_k_mask(
         for a, th in zip(a_leaves, found.leaves)
       ]
     else:
-      a_leaves = [
-        accumulate(g, acc, th).astype(g.dtype)
-        for g, acc, th in zip(leaves, accs, _common.unstack(state.thresholds))
-      ]
-      keeps, kept_list = _score_masks(
-        a_leaves,
+      a_leaves, keeps, kept = _score_path(
+        leaves,
+        accs,
+        state.thresholds,
         dense,
-        frac,
-        method,
-        static_fraction,
-        freq,
-        frequency_weight,
-        seed,
-        t,
+        (frac, method, static_fraction, freq, frequency_weight, seed, t),
       )
-      kept = _common.stack(kept_list)
       thresholds = 0 * state.thresholds + RESIDUAL_ONLY
     outs, residuals = [], []
     for a, keep, acc in zip(a_leaves, keeps, accs):
