@@ -54,6 +54,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from benchmarks import command as command_lib
 from grpo_optax import hlo
 from grpo_optax import training
 from grpo_optax.training import compression
@@ -542,8 +543,9 @@ def run_example(task: str, name: str, seed: int, extra_argv=()):
     "task": task,
     "config": name,
     "seed": seed,
-    "command": f"python -m {TASKS[task]} "
-    + " ".join(a for a in argv if a != "--quiet"),
+    "command": command_lib.command(
+      TASKS[task], [a for a in argv if a != "--quiet"]
+    ),
     "eval_loss": summary["eval_loss"],
     "eval_accuracy": summary.get("eval_accuracy"),
     "eval_history": summary["eval_history"],
@@ -793,7 +795,9 @@ def measure_traffic(args) -> dict[str, Any]:
     "meta": {
       "command": COMMAND
       + (" --quick" if args.quick else "")
-      + (f" --runs {args.runs}" if args.runs else ""),
+      + (
+        f" --runs {command_lib.portable_path(args.runs)}" if args.runs else ""
+      ),
       "device": f"{jax.devices()[0].platform} x{jax.device_count()} "
       f"({platform.machine()}, {os.cpu_count()} cpus)",
       "jax": jax.__version__,
@@ -902,7 +906,8 @@ def main(argv=None) -> dict[str, Any]:
     with open(path) as f:
       data = json.load(f)
     data["meta"]["quality_command"] = (
-      f"{COMMAND} --reuse --out {args.out} --runs {args.runs}"
+      f"{COMMAND} --reuse --out {command_lib.portable_path(args.out)} "
+      f"--runs {command_lib.portable_path(args.runs)}"
     )
   else:
     data = measure_traffic(args)

@@ -52,6 +52,7 @@ import numpy as np
 import optax
 
 import grpo_optax
+from benchmarks import command as command_lib
 from benchmarks import problems as problems_lib
 
 Factory = Callable[[Any], optax.GradientTransformation]
@@ -151,9 +152,15 @@ def sweep_task(
   log=None,
   label: str = "",
   heldout: bool = True,
+  select: str | None = None,
 ) -> dict[str, Any]:
   """Runs ``factory`` over ``task.lrs`` x ``seeds``; returns its summary
   (``heldout=False``: without the held-out evaluations).
+
+  ``select``: a held-out metric of the task (minimised, e.g. ``"loss"``)
+  whose value after the last step, mean over seeds, scores each learning
+  rate and is the result's ``best``; default: the smoothed final training
+  loss.
   """
   start = time.perf_counter()
   fn, eval_steps = problems_lib.make_sweep(
@@ -168,6 +175,8 @@ def sweep_task(
   out = jax.device_get(fn(lrs, problems_lib.seed_keys(seeds)))
   seconds = time.perf_counter() - start
   finals = problems_lib.smoothed_final(out["loss"], SMOOTH_FRACTION)  # [L, S]
+  if select is not None:
+    finals = np.asarray(out["eval/" + select], np.float64)[..., -1]
   by_lr = [_stats(row) for row in finals]
   means = [s["mean"] for s in by_lr]
   i = best_index(means)
@@ -175,6 +184,7 @@ def sweep_task(
     "lrs": list(task.lrs),
     "seeds": list(seeds),
     "steps": steps,
+    "metric": "train" if select is None else f"heldout/{select}",
     "final_by_lr": by_lr,
     "best_index": i,
     "best_lr": None if i is None else task.lrs[i],
@@ -743,7 +753,7 @@ def main(
   chosen = {n: known[n] for n in names}
   start = time.time()
   log = lambda msg: print(f"[{time.time() - start:6.0f}s] {msg}", flush=True)
-  command = "python -m benchmarks.convergence " + " ".join(argv)
+  command = command_lib.command("benchmarks.convergence", argv)
 
   def checkpoint(report):
     report["meta"]["command"] = command.strip()

@@ -43,6 +43,7 @@ import numpy as np
 import optax
 
 import grpo_optax
+from benchmarks import command as command_lib
 from benchmarks import step_time
 from grpo_optax import quantization
 from grpo_optax import training
@@ -578,7 +579,7 @@ def main(argv=None) -> dict[str, Any]:
       device=f"{kind} ({platform.machine()}, {os.cpu_count()} cpus)",
       jax=jax.__version__,
       date=time.strftime("%Y-%m-%d"),
-      command="python -m benchmarks.memory " + " ".join(argv or []),
+      command=command_lib.command("benchmarks.memory", argv),
       config={k: cfg[k] for k in ("vocab", "seq", "d", "batch", "ref_depth")},
       block_size=quantization.DEFAULT_BLOCK_SIZE,
     )

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from benchmarks import command as command_lib
 from examples.common import decoder
 from grpo_optax import rl
 
@@ -107,7 +108,7 @@ def main(argv=None):
     jax=jax.__version__,
     date=time.strftime("%Y-%m-%d"),
     load_average=os.getloadavg(),
-    command="python -m benchmarks.sampler " + " ".join(argv or []),
+    command=command_lib.command("benchmarks.sampler", argv),
   )
   os.makedirs(out, exist_ok=True)
   stem = os.path.join(out, "sampler")

@@ -25,6 +25,8 @@ import os
 import platform
 import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -34,6 +36,7 @@ import numpy as np
 import optax
 
 import grpo_optax
+from benchmarks import command as command_lib
 
 
 def transformer_tree(n_params: float, d_model: int | None = None):
@@ -110,6 +113,17 @@ def optimizers(
     "grpo_topk_int8": lambda: g.grpo(
       lr, sparsify="topk", mu_format="int8", nu_format="uint8"
     ),
+    # The error-feedback accumulator stored compactly (accumulator_format).
+    "grpo_topk_acc_bf16": lambda: g.grpo(
+      lr, sparsify="topk", accumulator_format="bfloat16_sr"
+    ),
+    "grpo_topk_8bit": lambda: g.grpo(
+      lr,
+      sparsify="topk",
+      mu_format="int8",
+      nu_format="uint8",
+      accumulator_format="int8_sr",
+    ),
     "grpo_dense_chain": lambda: g.grpo(lr, sparsify=None, fused=False),
     "grpo_threshold_chain": lambda: g.grpo(
       lr, sparsify="threshold", fused=False
@@ -135,13 +149,22 @@ QUICK = (
   "grpo_threshold",
   "grpo_topk",
   "grpo_topk_int8",
+  "grpo_topk_acc_bf16",
+  "grpo_topk_8bit",
   "grpo_dense_chain",
   "grpo_threshold_chain",
   "grpo_topk_chain",
   "grpo_article_dense",
   "grpo_article_topk",
 )
-COMPILE = ("adam", "clip_nadam", "grpo_dense", "grpo_threshold", "grpo_topk")
+COMPILE = (
+  "adam",
+  "clip_nadam",
+  "grpo_dense",
+  "grpo_topk",
+  "grpo_threshold",
+  "grpo_article_topk",
+)
 
 
 def _param_sized_arrays(state, n_leaves_params: int, param_sizes: set) -> int:
@@ -356,31 +379,87 @@ def layered_tree(n_layers: int, d: int = 64):
   }
 
 
-def compile_times(names, layers=(1, 6, 24), repeats=1) -> list[dict]:
-  """Seconds to trace, lower and compile the donated update + apply step."""
+def _compile_once(name: str, params) -> tuple[float, float, dict]:
+  """(wall s, CPU s, fused-computation counts) of one trace + lower +
+  compile of ``name``'s donated update + apply, caches cleared first.
+  """
+  jax.clear_caches()
+  tx = optimizers()[name]()
+  state = tx.init(params)
+  wall, cpu = time.perf_counter(), time.process_time()
+  compiled = _make_step(tx).lower(params, state, params).compile()
+  wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+  return wall, cpu, grpo_optax.hlo.fused_computations(compiled)
+
+
+def _compile_in_subprocess(name: str, n_layers: int) -> tuple:
+  """:func:`_compile_once` in a fresh Python process: a process that has
+  compiled large programs compiles the next ones slower (its heap and the
+  garbage collector's work grow), which would charge one optimizer for
+  another's compile.
+  """
+  code = (
+    "import json, sys; from benchmarks import step_time as s; "
+    f"w, c, f = s._compile_once({name!r}, s.layered_tree({n_layers})); "
+    "print('RESULT' + json.dumps([w, c, f]))"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    check=True,
+    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  ).stdout
+  wall, cpu, counts = json.loads(out.split("RESULT", 1)[1])
+  return wall, cpu, counts
+
+
+def compile_times(names, layers=(6, 24, 96), repeats=3) -> list[dict]:
+  """Compile cost of the donated update + apply, per tree size.
+
+  Every compile runs in a fresh process (:func:`_compile_in_subprocess`),
+  in ``repeats`` rounds that compile every optimizer once in turn (Adam
+  first), so that a slow stretch of the machine weighs on every optimizer
+  of a round; the ratio to Adam is the median over rounds of the ratio
+  within a round, in process CPU time (XLA's compile threads included),
+  which a busy machine disturbs less than wall time. Also the number of
+  fused computations in the compiled program, and of distinct ones (bodies
+  compared after renaming: :func:`grpo_optax.hlo.fused_computations`), which
+  is what XLA's compile time follows.
+  """
+  names = ["adam"] + [n for n in names if n != "adam"]
   rows = []
   for n_layers in layers:
-    params = layered_tree(n_layers)
+    runs = {n: [] for n in names}
+    for _ in range(repeats):
+      for name in names:
+        runs[name].append(_compile_in_subprocess(name, n_layers))
     for name in names:
-      best = float("inf")
-      for _ in range(repeats):
-        jax.clear_caches()
-        tx = optimizers()[name]()
-        state = tx.init(params)
-        t0 = time.perf_counter()
-        _make_step(tx).lower(params, state, params).compile()
-        best = min(best, time.perf_counter() - t0)
+      ratios = [
+        r[1] / a[1] for r, a in zip(runs[name], runs["adam"], strict=True)
+      ]
+      counts = runs[name][0][2]
       rows.append(
-        dict(optimizer=name, leaves=16 * n_layers, compile_s=round(best, 2))
+        dict(
+          optimizer=name,
+          leaves=16 * n_layers,
+          compile_s=round(statistics.median(r[0] for r in runs[name]), 2),
+          compile_cpu_s=round(statistics.median(r[1] for r in runs[name]), 2),
+          ratio_to_adam=round(statistics.median(ratios), 2),
+          ratio_min=round(min(ratios), 2),
+          ratio_max=round(max(ratios), 2),
+          fusions=counts["fusions"],
+          distinct_fusions=counts["distinct"],
+        )
       )
-    adam = [
-      r
-      for r in rows
-      if r["leaves"] == 16 * n_layers and r["optimizer"] == "adam"
-    ]
-    for r in rows:
-      if r["leaves"] == 16 * n_layers and adam:
-        r["ratio_to_adam"] = round(r["compile_s"] / adam[0]["compile_s"], 2)
+      r = rows[-1]
+      print(
+        f"compile {name:>20s} {r['leaves']:5d} leaves "
+        f"{r['compile_cpu_s']:7.2f} s CPU  x{r['ratio_to_adam']:.2f} adam "
+        f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f})  fused computations "
+        f"{r['distinct_fusions']} distinct / {r['fusions']}",
+        flush=True,
+      )
   return rows
 
 
@@ -392,18 +471,25 @@ def compile_markdown(rows) -> str:
     "",
     "## Compile time of the update step (trace + lower + compile)",
     "",
+    "CPU seconds (median of the rounds), the median over rounds of the ratio"
+    " to optax.adam within a round (min-max), and the distinct / all fused"
+    " computations of the compiled program.",
+    "",
     "| optimizer | " + " | ".join(f"{n} leaves" for n in leaves) + " |",
     "|---|" + "---|" * len(leaves),
   ]
   for name in names:
-    lines.append(
-      f"| {name} | "
-      + " | ".join(
-        f"{cell[name, n]['compile_s']:.2f} s (x{cell[name, n].get('ratio_to_adam', 0):.2f})"
-        for n in leaves
+    cells = []
+    for n in leaves:
+      r = cell.get((name, n))
+      cells.append(
+        ""
+        if r is None
+        else f"{r['compile_cpu_s']:.2f} s x{r['ratio_to_adam']:.2f}"
+        f" ({r['ratio_min']:.2f}-{r['ratio_max']:.2f});"
+        f" {r['distinct_fusions']} / {r['fusions']}"
       )
-      + " |"
-    )
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -444,7 +530,8 @@ def main(argv=None):
   parser.add_argument(
     "--sizes",
     default=None,
-    help="comma-separated parameter counts, e.g. 1e6,2e7",
+    help="comma-separated parameter counts, e.g. 1e6,2e7; 'none': no"
+    " step-time table (the compile-time table only)",
   )
   parser.add_argument(
     "--optimizers",
@@ -456,13 +543,21 @@ def main(argv=None):
   parser.add_argument("--tag", default="", help="suffix of the output files")
   parser.add_argument(
     "--compile-layers",
-    default="1,6,24",
+    default="6,24,96",
     help="layers of the compile-time tree (16 leaves each);"
     " empty: no compile-time table",
   )
+  parser.add_argument(
+    "--compile-repeats",
+    type=int,
+    default=3,
+    help="rounds of the compile-time table (median ratio over rounds)",
+  )
   args = parser.parse_args(argv)
 
-  if args.sizes:
+  if args.sizes == "none":  # the compile-time table only
+    sizes = []
+  elif args.sizes:
     sizes = [float(s) for s in args.sizes.split(",")]
   else:
     sizes = [2e7] if args.quick else [1e6, 1e7, 2e7, 5e7, 1e8]
@@ -503,14 +598,10 @@ def main(argv=None):
   if args.compile_layers:
     layers = [int(x) for x in args.compile_layers.split(",")]
     compile_rows = compile_times(
-      [n for n in COMPILE if n in names or n == "adam"], layers, repeats=2
+      [n for n in COMPILE if n in names or n == "adam"],
+      layers,
+      repeats=args.compile_repeats,
     )
-    for r in compile_rows:
-      print(
-        f"compile {r['optimizer']:>20s} {r['leaves']:4d} leaves "
-        f"{r['compile_s']:7.2f} s  x{r.get('ratio_to_adam', 0):.2f} adam",
-        flush=True,
-      )
 
   meta = dict(
     device=f"{jax.devices()[0].device_kind} x{jax.device_count()}"
@@ -519,7 +610,7 @@ def main(argv=None):
     jax=jax.__version__,
     optax=optax.__version__,
     date=time.strftime("%Y-%m-%d"),
-    command="python -m benchmarks.step_time " + " ".join(argv or []),
+    command=command_lib.command("benchmarks.step_time", argv),
     rounds=rounds,
     iters=iters,
   )
@@ -535,7 +626,8 @@ def main(argv=None):
     f.write(to_markdown(rows, meta))
     if compile_rows:
       f.write(compile_markdown(compile_rows))
-  plot(rows, stem + ".png")
+  if rows:
+    plot(rows, stem + ".png")
   print(f"wrote {stem}.json, {stem}.md")
   return rows
 

@@ -37,6 +37,10 @@ mechanism of the winner switched off, or on in its best single form; the best
 neighbour becomes the winner if it scores better (two rounds by default). The
 last round's table shows what each mechanism costs or gains in the winner.
 
+A second phase, ``python -m benchmarks.study --phase transformers``
+(:mod:`benchmarks.study_transformers`), decides ``grpo()``'s defaults on
+transformer-shaped tasks beside this suite, by a rule stated before the runs.
+
 Run: ``python -m benchmarks.study [--quick] [--resume]``; writes
 ``benchmarks/results/study.json`` and ``study.md`` (``--quick``: under
 ``benchmarks/results/quick``). Adam, NAdam and AdamW are taken from
@@ -60,6 +64,7 @@ import jax.numpy as jnp
 import optax
 
 import grpo_optax
+from benchmarks import command as command_lib
 from benchmarks import convergence
 from benchmarks import problems as problems_lib
 
@@ -805,9 +810,26 @@ def _baseline_entry(base, tnames, opt) -> dict:
   return entry
 
 
+PHASES = ("preset", "transformers")
+
+
+def _phase(argv) -> str:
+  parser = argparse.ArgumentParser(add_help=False)
+  parser.add_argument("--phase", choices=PHASES, default="preset")
+  return parser.parse_known_args(argv)[0].phase
+
+
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks.study", description=__doc__.splitlines()[0]
+  )
+  parser.add_argument(
+    "--phase",
+    choices=PHASES,
+    default="preset",
+    help="preset: this module's one-change-at-a-time study; transformers: "
+    "the defaults on transformers (benchmarks.study_transformers, its own "
+    "flags)",
   )
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--out", default=None)
@@ -909,6 +931,10 @@ def _describe(name: str, variants: Mapping[str, dict]) -> dict:
 
 def main(argv=None) -> dict:
   argv = sys.argv[1:] if argv is None else list(argv)
+  if _phase(argv) == "transformers":
+    from benchmarks import study_transformers  # pylint: disable=g-import-not-at-top
+
+    return study_transformers.main(argv)
   args = parse_args(argv)
   convergence.configure_cache(args.cache_dir)
   os.makedirs(args.out, exist_ok=True)
@@ -923,7 +949,7 @@ def main(argv=None) -> dict:
   log = lambda msg: print(f"[{time.time() - start:6.0f}s] {msg}", flush=True)
   report = {
     "meta": {
-      "command": ("python -m benchmarks.study " + " ".join(argv)).strip(),
+      "command": command_lib.command("benchmarks.study", argv),
       "date": time.strftime("%Y-%m-%d %H:%M"),
       "device": f"{jax.devices()[0].device_kind} ({os.cpu_count()} cpus)",
       "jax": jax.__version__,

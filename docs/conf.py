@@ -11,6 +11,9 @@ import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
+sys.path.insert(
+  0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ext")
+)
 
 import grpo_optax  # noqa: E402
 
@@ -23,24 +26,41 @@ version = release
 extensions = [
   "myst_parser",
   "sphinx.ext.autodoc",
+  "sphinx.ext.autosummary",
   "sphinx.ext.napoleon",
   "sphinx.ext.mathjax",
   "sphinx.ext.viewcode",
+  # NamedTuple fields and re-exported constants described (docs/_ext).
+  "public_api",
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
-exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "_ext", "Thumbs.db", ".DS_Store"]
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]
 myst_heading_anchors = 3
 
+# The API reference (docs/api/) documents every public name under the path
+# users import (grpo_optax.grpo, not grpo_optax.presets.grpo); its
+# autosummary tables link to those entries (no generated stub pages).
+autosummary_generate = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "show-inheritance": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
-# Attributes sections as :ivar: fields: NamedTuple fields are documented
-# once, by autodoc, not a second time by napoleon.
+# Attributes sections as :ivar: fields. A NamedTuple's fields are documented
+# once, by autodoc: docs/_ext/public_api.py moves each field's entry of the
+# Attributes section (or its source comment) to the field, in place of
+# "Alias for field number N".
 napoleon_use_ivar = True
+
+# Every reference to a name of this package links (or, for an internal
+# helper, is plain text: docs/_ext/public_api.py); the other packages' names
+# are not linked (no intersphinx: the build needs no network).
+nitpicky = True
+nitpick_ignore_regex = [
+  (r"py:.*", r"(jax|jaxlib|optax|numpy|np|flax|collections|typing)(\..*)?"),
+]
 
 html_theme = "furo"
 html_title = f"grpo_optax {release}"

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 
 import grpo_optax
+from examples.common import cli
 
 
 def load_data(seed: int = 0):
@@ -35,12 +36,39 @@ def loss_fn(params, x, y):
   return optax.sigmoid_binary_cross_entropy(logits, y).mean()
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--lr", type=float, default=3e-2)
-  parser.add_argument("--seed", type=int, default=0)
+def make_parser() -> cli.ArgumentParser:
+  """The flags of the example (``--help``)."""
+  parser = cli.ArgumentParser(
+    prog="python -m examples.logistic_regression",
+    description=__doc__.splitlines()[0],
+  )
+  parser.add_argument(
+    "--steps", type=int, default=300, help="Full-batch training steps."
+  )
+  parser.add_argument(
+    "--lr", type=float, default=3e-2, help="Learning rate of grpo_optax.grpo."
+  )
+  parser.add_argument(
+    "--seed", type=int, default=0, help="Seed of the train / held-out split."
+  )
+  return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  """Parses and checks the flags (``argv=None`` reads ``sys.argv``)."""
+  parser = make_parser()
   args = parser.parse_args(argv)
+  if args.steps < 1:
+    parser.error(f"--steps must be >= 1, got {args.steps}")
+  if not args.lr > 0:
+    parser.error(f"--lr must be > 0, got {args.lr}")
+  if args.seed < 0:
+    parser.error(f"--seed must be >= 0, got {args.seed}")
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
   (x_tr, y_tr), (x_te, y_te) = load_data(args.seed)
   params = {"w": jnp.zeros(x_tr.shape[1]), "b": jnp.zeros(())}
   tx = grpo_optax.grpo(args.lr)
@@ -52,6 +80,7 @@ def main(argv=None):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
+  cli.announce_compile(quiet=False)
   for i in range(args.steps):
     params, opt_state, loss = step(params, opt_state)
     if i % 50 == 0 or i == args.steps - 1:

@@ -13,6 +13,8 @@ Each seed mechanism of the two source articles lives in one module:
 * :mod:`grpo_optax.presets` -- the :func:`grpo` preset (and ``ARTICLE_DEFAULTS``).
 * :mod:`grpo_optax.fused` -- its fused clip + mask + Adam core.
 * :mod:`grpo_optax.diagnostics` -- :func:`metrics` and friends.
+* :mod:`grpo_optax.hlo` -- what a compiled step sends between devices
+  (collectives, ring traffic) and its distinct fused computations.
 * :mod:`grpo_optax.training` -- program changes: hierarchical gradients (7),
   immediate updates (8), freezing that skips compute (9).
 * :mod:`grpo_optax.rl` -- unrelated to the optimizer: DeepSeek's Group
@@ -20,6 +22,7 @@ Each seed mechanism of the two source articles lives in one module:
   sampler).
 """
 
+from grpo_optax import hlo  # pylint: disable=g-bad-import-order
 from grpo_optax import quantization  # pylint: disable=g-bad-import-order
 from grpo_optax import rl  # pylint: disable=g-bad-import-order
 from grpo_optax import training  # pylint: disable=g-bad-import-order
@@ -64,6 +67,7 @@ __all__ = [
   "freeze_below",
   "frozen_mask",
   "grpo",
+  "hlo",
   "importance_converged",
   "metrics",
   "per_head",

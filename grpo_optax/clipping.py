@@ -18,6 +18,11 @@ import optax
 
 from grpo_optax import _common
 
+__all__ = (
+  "ClipWithL2State",
+  "clip_with_l2",
+)
+
 
 class ClipWithL2State(NamedTuple):
   """State of :func:`clip_with_l2`."""
@@ -66,23 +71,6 @@ def _leaf_sums(arrays: list[jax.Array]) -> list[jax.Array]:
   )
 
 
-def _total(values: list[jax.Array]) -> jax.Array:
-  """The sum of per-leaf scalars as one dot product.
-
-  A value that depends on every leaf must reach the per-leaf kernels as one
-  materialised scalar: written as a chain of scalar additions, XLA copies the
-  chain into every leaf's kernel, and compile time grows with the square of
-  the number of leaves.
-  """
-  if not values:
-    return jnp.zeros((), jnp.float32)
-  return jnp.dot(
-    jnp.stack(values),
-    jnp.ones((len(values),), jnp.float32),
-    precision=jax.lax.Precision.HIGHEST,
-  )
-
-
 def norm_with_l2(
   g_leaves: list[jax.Array], p_leaves: list[Any] | None, l2: Any
 ) -> jax.Array:
@@ -106,7 +94,7 @@ def norm_with_l2(
       [_common.abs_sq(g), jnp.real(g * jnp.conj(p)), _common.abs_sq(p)]
     )
     per_leaf.append(gg + 2 * l2 * gp + l2 * l2 * pp)
-  return jnp.sqrt(jnp.maximum(_total(per_leaf), 0.0))
+  return jnp.sqrt(jnp.maximum(_common.total(per_leaf), 0.0))
 
 
 def global_norm32(tree) -> jax.Array:

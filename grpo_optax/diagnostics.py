@@ -23,6 +23,12 @@ from grpo_optax.sparsify import EmaThresholdMaskState
 from grpo_optax.sparsify import TopKMaskState
 from grpo_optax.variance import ScaleByVarianceLrState
 
+__all__ = (
+  "frozen_mask",
+  "importance_converged",
+  "metrics",
+)
+
 # The name of each room's state in metrics() keys. A room's state answers
 # the protocol by a ``metrics(self) -> dict[str, jax.Array]`` method; a state
 # type not named here reports under its class name.

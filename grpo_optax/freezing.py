@@ -17,6 +17,11 @@ import optax
 
 from grpo_optax import _common
 
+__all__ = (
+  "FreezeBelowState",
+  "freeze_below",
+)
+
 
 class FreezeBelowState(NamedTuple):
   """State of :func:`freeze_below`.

@@ -12,8 +12,9 @@ One transform that computes exactly what the chain
 computes, with the same state (a :class:`FusedState` holding each room's own
 state), the same random draws and the same formulas: it calls the rooms'
 functions (:func:`grpo_optax.clipping.norm_with_l2`,
-:func:`grpo_optax.sparsify.accumulate`, :func:`~grpo_optax.sparsify.
-topk_leaf_thresholds`, :func:`~grpo_optax.momentum.nesterov_moment`, ...).
+:func:`grpo_optax.sparsify.accumulate`,
+:func:`~grpo_optax.sparsify.topk_leaf_thresholds`,
+:func:`~grpo_optax.momentum.nesterov_moment`, ...).
 ``tests/test_fused.py`` checks the two against each other. It exists because
 XLA:CPU runs the chain's masked Adam at about 3x ``optax.adam`` and this
 layout at about 1.8x (``docs/design.md``, "Where fusion happens"):
@@ -24,17 +25,22 @@ layout at about 1.8x (``docs/design.md``, "Where fusion happens"):
   whole array otherwise. With error feedback the state keeps
   ``acc = g + r`` (not ``r``): the new ``acc`` is computed first and every
   consumer of the masked gradient reads it.
-* A value with two full-size inputs that feeds both a state write and the
-  update is kept in memory as a parameter-sized temporary unless each
-  consumer gets its own copy of the expression: the masked gradient reaches
-  Adam's moments as ``where(keep, acc, 0)`` and the update as
-  ``acc - where(keep, 0, acc)`` (equal values, different expressions).
-* The clip norm is one variadic reduction per leaf and one dot product over
-  leaves, so that the value reaches each leaf's kernel as one scalar.
+* The masked gradient reaches Adam's moments and the update as one
+  expression of the new ``acc`` and the leaf's threshold, which XLA copies
+  into each of their kernels (no parameter-sized temporary: 0.05 bytes of
+  temporaries per parameter on a 2M-parameter tree; an earlier form wrote
+  it as two expressions of equal value to force that).
+* The clip norm is one reduction per leaf and one sum of their stack, so
+  that the value reaches each leaf's kernel as one scalar.
+* Compile time (``docs/design.md``, "Compile time"): per-leaf scalars are
+  split from their vectors by reductions (``_common.unstack``), the
+  samples of one shape are stacked and bisected together, and each leaf's
+  Adam math is one jitted function that leaves of one shape share.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 from typing import NamedTuple
 
@@ -48,6 +54,11 @@ from grpo_optax import momentum
 from grpo_optax import quantization
 from grpo_optax import sparsify
 
+__all__ = (
+  "FusedState",
+  "clip_mask_adam",
+)
+
 MASKS = ("topk", "threshold")
 
 
@@ -57,7 +68,7 @@ class FusedState(NamedTuple):
   clip: clipping.ClipWithL2State | None  # None without clipping
   # None without a mask
   mask: sparsify.TopKMaskState | sparsify.EmaThresholdMaskState | None
-  adaptive: momentum.ScaleByNesterovAdamRmsState
+  adaptive: momentum.ScaleByNesterovAdamRmsState  # Adam / RMSProp moments
 
 
 class _Clip(NamedTuple):
@@ -75,6 +86,7 @@ class _Mask(NamedTuple):
   alpha: Any
   every: Any
   scale: Any
+  accumulator_format: Any = None  # a StateFormat, or None (params' dtype)
 
 
 class _Adam(NamedTuple):
@@ -92,7 +104,11 @@ class _Adam(NamedTuple):
 
 
 def _init_mask(params, cfg: _Mask):
-  acc = optax.tree.zeros_like(params) if cfg.error_feedback else None
+  acc = (
+    sparsify.init_accumulator(params, cfg.accumulator_format)
+    if cfg.error_feedback
+    else None
+  )
   zeros = _common.leaf_scalars(params)
   tau = _common.leaf_scalars(params)  # its own buffer (state is donated)
   one = None if cfg.error_feedback else jnp.ones([], jnp.float32)
@@ -127,75 +143,133 @@ def _clip_phase(g_leaves, p_leaves, cfg: _Clip | None, state):
 
 
 def _mask_phase(x_leaves, cfg: _Mask | None, state, treedef):
-  """Accumulated gradients, thresholds and the new mask state.
+  """Accumulated gradients, per-leaf thresholds and the new mask state.
 
   Returns ``(a_leaves, thresholds, new_state)``; ``thresholds`` is None
-  without a mask. With error feedback ``a_leaves`` are the new accumulator's
-  arrays themselves, so every later reader reads the value being written.
+  without a mask, else a list with one scalar per masked leaf and None for
+  a leaf that passes dense. With error feedback ``a_leaves`` are the new
+  accumulator's arrays themselves, so every later reader reads the value
+  being written.
   """
   if cfg is None:
     return x_leaves, None, None
   t = state.count
+  n = len(x_leaves)
   accs = (
-    treedef.flatten_up_to(state.accumulator)
+    sparsify.read_accumulator(state.accumulator, treedef)
     if cfg.error_feedback
-    else [None] * len(x_leaves)
+    else [None] * n
   )
-  a_leaves = []
-  for x, acc, th in zip(x_leaves, accs, _common.unstack(state.thresholds)):
-    a = sparsify.accumulate(x, acc, th).astype(x.dtype)
-    a_leaves.append(a if acc is None else a.astype(acc.dtype))
   dense = [sparsify.dense_leaf(x.size, cfg.min_size) for x in x_leaves]
+  a_leaves = sparsify.accumulate_leaves(x_leaves, accs, state.thresholds, dense)
+  stored = None
+  if cfg.error_feedback:
+    stored, a_leaves = sparsify.store_accumulator(
+      a_leaves,
+      state.accumulator,
+      treedef,
+      dense,
+      cfg.accumulator_format,
+      sparsify.accumulator_word(cfg.seed, t),
+    )
   sizes = [a.size for a in a_leaves]
   kept = None
   if cfg.kind == "topk":
     frac = sparsify.warmup_fraction(cfg.fraction, cfg.warmup_steps, t)
-    thr, kept = sparsify.topk_leaf_thresholds(
-      a_leaves, dense, frac, cfg.seed, t, with_kept=not cfg.error_feedback
-    )
+    found = sparsify.topk_leaf_thresholds(a_leaves, dense, frac, cfg.seed, t)
     extra = {"frequency": None}
-  else:
-    thr, tau = sparsify.threshold_leaf_thresholds(
-      a_leaves,
-      dense,
-      _common.unstack(state.tau),
-      cfg.alpha,
-      t,
-      cfg.every,
-      cfg.scale,
-    )
-    extra = {"tau": _common.stack(tau, like=state.tau)}
     if not cfg.error_feedback:
-      kept = [sparsify.sampled_kept(a, th) for a, th in zip(a_leaves, thr)]
-  thresholds = _common.stack(thr, like=state.thresholds)
+      kept = found.kept
+  else:
+    found, tau = sparsify.threshold_leaf_thresholds(
+      a_leaves, dense, state.tau, cfg.alpha, t, cfg.every, cfg.scale
+    )
+    extra = {"tau": tau + 0 * state.tau}
+    if not cfg.error_feedback:
+      kept = _common.stack(
+        [
+          jnp.ones((), jnp.float32)
+          if th is None
+          else sparsify.sampled_kept(a, th)
+          for a, th in zip(a_leaves, found.leaves)
+        ]
+      )
   new_state = type(state)(
     count=_common.safe_increment(t),
-    accumulator=(treedef.unflatten(a_leaves) if cfg.error_feedback else None),
-    thresholds=thresholds,
+    accumulator=stored,
+    thresholds=found.vector + 0 * state.thresholds,
     kept_fraction=(
       None
       if kept is None
-      else sparsify.size_weighted(kept, sizes) + 0 * state.kept_fraction
+      else sparsify.size_weighted_vector(kept, sizes) + 0 * state.kept_fraction
     ),
     **extra,
   )
-  if cfg.kind == "threshold":
-    # The consumers read the EMA thresholds back from the stacked vector
-    # (materialised scalars): computed in place, the EMA's refresh logic
-    # would be copied into each of a leaf's kernels. The top-k's are the
-    # bisection loop's outputs, materialised already.
-    thr = _common.unstack(thresholds)
-  return a_leaves, thr, new_state
+  return a_leaves, found.leaves, new_state
 
 
-def _masked(a, thr, for_moments: bool):
-  """The masked gradient, as two different expressions of equal value."""
+def _masked(a, thr):
+  """The masked gradient (``a`` itself on a leaf that passes dense)."""
   if thr is None:
     return a
-  kept, dropped = sparsify.split_by_mask(
-    a, sparsify.keep_mask(a, thr.astype(a.dtype))
+  return sparsify.masked_part(a, thr)
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "nesterov",
+    "rms_bias_correction",
+    "masked",
+    "out_dtype",
+    "weight",
+  ),
+)
+def _adam_leaf(
+  a,
+  threshold,
+  mu,
+  nu,
+  hyper,
+  *,
+  nesterov: bool,
+  rms_bias_correction: bool,
+  masked: bool,
+  out_dtype,
+  weight: float | None,
+):
+  """One leaf's moments and adaptive update (``hyper``: the step's scalars;
+  ``weight``: the Adam weight when it is static, so that a weight of 1 or 0
+  leaves the other term out of the program).
+
+  Jitted, so that leaves of one shape share one trace and one lowered
+  function (XLA inlines the calls): tracing each leaf's two dozen
+  operations anew was a third of the update's compile time.
+  """
+  b1, b2, eps, eps_root, adam_weight, bc1, bc2, bc1_next = hyper
+  th = threshold if masked else None
+  wide = lambda x: x.astype(jnp.promote_types(x.dtype, nu.dtype))
+  m = wide(_masked(a, th))
+  mu_new = _common.ema(mu, m, b1)
+  nu_new = _common.ema(nu, _common.abs_sq(m), b2)
+  g = m
+  if nesterov:
+    mu_hat = momentum.nesterov_moment(
+      mu_new, g, b1, bc1.astype(mu_new.dtype), bc1_next.astype(mu_new.dtype)
+    )
+  else:
+    mu_hat = mu_new / bc1.astype(mu_new.dtype)
+  nu_hat = nu_new / bc2.astype(nu_new.dtype)
+  u = momentum.adam_rms_mix(
+    mu_hat,
+    nu_hat,
+    nu_hat if rms_bias_correction else nu_new,
+    g,
+    eps,
+    eps_root,
+    adam_weight if weight is None else weight,
   )
-  return kept if for_moments else a - dropped
+  return mu_new.astype(mu.dtype), nu_new.astype(nu.dtype), u.astype(out_dtype)
 
 
 def _adam_phase(a_leaves, thr, cfg: _Adam, state, u_dtypes):
@@ -204,37 +278,34 @@ def _adam_phase(a_leaves, thr, cfg: _Adam, state, u_dtypes):
   bc1 = _common.bias_correction(cfg.b1, t1)
   bc2 = _common.bias_correction(cfg.b2, t1)
   bc1_next = _common.bias_correction(cfg.b1, _common.safe_increment(t1))
+  hyper = (
+    cfg.b1,
+    cfg.b2,
+    cfg.eps,
+    cfg.eps_root,
+    cfg.adam_weight,
+    bc1,
+    bc2,
+    bc1_next,
+  )
   thr = [None] * len(a_leaves) if thr is None else thr
   mus, nus, outs = [], [], []
   for a, th, mu, nu, dtype in zip(a_leaves, thr, state.mu, state.nu, u_dtypes):
-    wide = lambda x, v=nu: x.astype(jnp.promote_types(x.dtype, v.dtype))
-    m = wide(_masked(a, th, True))
-    mu_new = _common.ema(mu, m, cfg.b1)
-    nu_new = _common.ema(nu, _common.abs_sq(m), cfg.b2)
-    mus.append(mu_new.astype(mu.dtype))
-    nus.append(nu_new.astype(nu.dtype))
-    g = wide(_masked(a, th, False))
-    if cfg.nesterov:
-      mu_hat = momentum.nesterov_moment(
-        mu_new,
-        g,
-        cfg.b1,
-        bc1.astype(mu_new.dtype),
-        bc1_next.astype(mu_new.dtype),
-      )
-    else:
-      mu_hat = mu_new / bc1.astype(mu_new.dtype)
-    nu_hat = nu_new / bc2.astype(nu_new.dtype)
-    u = momentum.adam_rms_mix(
-      mu_hat,
-      nu_hat,
-      nu_hat if cfg.rms_bias_correction else nu_new,
-      g,
-      cfg.eps,
-      cfg.eps_root,
-      cfg.adam_weight,
+    mu_new, nu_new, u = _adam_leaf(
+      a,
+      jnp.zeros((), jnp.float32) if th is None else th,
+      mu,
+      nu,
+      hyper,
+      nesterov=cfg.nesterov,
+      rms_bias_correction=cfg.rms_bias_correction,
+      masked=th is not None,
+      out_dtype=jnp.dtype(dtype),
+      weight=_common.concrete_value(cfg.adam_weight),
     )
-    outs.append(u.astype(dtype))
+    mus.append(mu_new)
+    nus.append(nu_new)
+    outs.append(u)
   return outs, mus, nus, t1
 
 
@@ -317,7 +388,9 @@ def clip_mask_adam(
       momentum.update_dtypes(  # optax's (the accumulator: the params')
         updates,
         params
-        if params is not None or mask is None
+        if params is not None
+        or mask is None
+        or mask.accumulator_format is not None
         else state.mask.accumulator,
         (ad.mu if adam.mu_format is None else None, adam.mu_dtype),
         (ad.nu if adam.nu_format is None else None, adam.nu_dtype),

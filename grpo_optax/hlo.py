@@ -26,6 +26,7 @@ iota lists, transposed iota lists and the mesh-axes form, see
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from typing import Any
 
@@ -362,6 +363,10 @@ def ring_send_bytes(kind: str, size: float, group: int) -> float:
   ring algorithms (Patarasuk and Yuan, 2009), the model behind the traffic
   law of ``docs/communication.md``.
   """
+  if isinstance(size, bool) or not isinstance(size, numbers.Real):
+    raise TypeError(f"`size` must be a number of bytes, got {size!r}.")
+  if isinstance(group, bool) or not isinstance(group, numbers.Integral):
+    raise TypeError(f"`group` must be an int (devices), got {group!r}.")
   g = max(int(group), 1)
   if kind == "all-reduce":
     return 2 * (g - 1) / g * size

@@ -20,6 +20,12 @@ import optax
 
 from grpo_optax import _common
 
+__all__ = (
+  "ScaleByImportanceState",
+  "per_head",
+  "scale_by_importance",
+)
+
 
 class ScaleByImportanceState(NamedTuple):
   """State of :func:`scale_by_importance`."""
@@ -112,6 +118,60 @@ def _extra_leaves(treedef, n, hessian_diag, head_entropy):
       "scale_by_importance: `head_entropy` must have the updates' tree"
       f" structure with None for unweighted leaves: {e}"
     ) from None
+
+
+@jax.jit
+def _importance_leaf(g, p, s_old, h_old, hd, ent, hyper):
+  """One leaf of :func:`scale_by_importance`: ``(out, S, h, moments)``.
+
+  ``h_old`` is None for order 1; ``hd`` (a given Hessian diagonal) and
+  ``ent`` (per-head entropies) are None when not given; ``moments`` are the
+  means of the diagnostics on the leaf's strided sample. Jitted, so that
+  leaves of one shape share one trace and one lowered function (XLA inlines
+  the calls).
+  """
+  decay, bc, use_second, min_weight, max_weight = hyper
+  g32 = g.astype(jnp.float32)
+  p32 = p.astype(jnp.float32)
+  score = jnp.abs(g32 * p32)
+  h = None
+  if h_old is not None:
+    if hd is None:
+      h32 = decay * h_old.astype(jnp.float32) + (1 - decay) * g32 * g32
+      h = h32.astype(h_old.dtype)
+      h_hat = h32 / bc
+    else:
+      h = h_old
+      h_hat = jnp.asarray(hd, jnp.float32)
+    score = score + use_second * 0.5 * h_hat * p32 * p32
+  s = decay * s_old.astype(jnp.float32) + (1 - decay) * score
+  denom = _common.mean32(s) / bc + 1e-12
+
+  def weight(s_):
+    return jnp.clip((s_ / bc) / denom, min_weight, max_weight)
+
+  w = weight(s)
+  head = 1.0
+  if ent is not None:
+    ent = jnp.asarray(ent, jnp.float32)
+    head = ent / (jnp.mean(ent) + 1e-12)
+    w = w * head
+  # The params' dtype as optax's stateful transforms give it: the gradient's
+  # promoted with the score's (which follows the params).
+  out = (g32 * w).astype(jnp.promote_types(g.dtype, s_old.dtype))
+  # Diagnostics on a strided sample: no extra pass over the leaf.
+  s_sample = _common.strided_sample(s)
+  r_sample = (s_sample / bc) / denom
+  w_sample = weight(s_sample) * _common.strided_sample(
+    jnp.broadcast_to(head, s.shape)
+  )
+  moments = {
+    "w": jnp.mean(w_sample),
+    "w2": jnp.mean(w_sample * w_sample),
+    "r": jnp.mean(r_sample),
+    "r2": jnp.mean(r_sample * r_sample),
+  }
+  return out, s.astype(s_old.dtype), h, moments
 
 
 def scale_by_importance(
@@ -252,49 +312,18 @@ def scale_by_importance(
 
     new_h, new_s, outs = [], [], []
     stats = _common.SampledMoments()
+    hyper = (decay, bc, use_second, min_weight, max_weight)
     for g, p, s_old, h_old, hd, ent in zip(
       g_leaves, p_leaves, s_leaves, h_leaves, hd_leaves, ent_leaves
     ):
-      g32 = g.astype(jnp.float32)
-      p32 = p.astype(jnp.float32)
-      score = jnp.abs(g32 * p32)
+      out, s, h, moments = _importance_leaf(
+        g, p, s_old, h_old if second else None, hd, ent, hyper
+      )
+      outs.append(out)
+      new_s.append(s)
       if second:
-        if hd is None:
-          h = decay * h_old.astype(jnp.float32) + (1 - decay) * g32 * g32
-          new_h.append(h.astype(h_old.dtype))
-          h_hat = h / bc
-        else:
-          new_h.append(h_old)
-          h_hat = jnp.asarray(hd, jnp.float32)
-        score = score + use_second * 0.5 * h_hat * p32 * p32
-      s = decay * s_old.astype(jnp.float32) + (1 - decay) * score
-      new_s.append(s.astype(s_old.dtype))
-      denom = _common.mean32(s) / bc + 1e-12
-      weight = lambda s_, denom=denom: jnp.clip(
-        (s_ / bc) / denom, min_weight, max_weight
-      )
-      w = weight(s)
-      head = 1.0
-      if ent is not None:
-        ent = jnp.asarray(ent, jnp.float32)
-        head = ent / (jnp.mean(ent) + 1e-12)
-        w = w * head
-      # The params' dtype as optax's stateful transforms give it: the
-      # gradient's promoted with the score's (which follows the params).
-      outs.append((g32 * w).astype(jnp.promote_types(g.dtype, s_old.dtype)))
-      # Diagnostics on a strided sample: no extra pass over the leaf.
-      s_sample = _common.strided_sample(s)
-      r_sample = (s_sample / bc) / denom
-      w_sample = weight(s_sample) * _common.strided_sample(
-        jnp.broadcast_to(head, s.shape)
-      )
-      stats.add(
-        g.size,
-        w=w_sample,
-        w2=w_sample * w_sample,
-        r=r_sample,
-        r2=r_sample * r_sample,
-      )
+        new_h.append(h)
+      stats.add(g.size, **moments)
     w_mean = stats.mean("w", 1.0)
     new_state = ScaleByImportanceState(
       count=count_inc,

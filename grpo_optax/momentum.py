@@ -18,6 +18,11 @@ import optax
 from grpo_optax import _common
 from grpo_optax import quantization
 
+__all__ = (
+  "ScaleByNesterovAdamRmsState",
+  "scale_by_nesterov_adam_rms",
+)
+
 
 class ScaleByNesterovAdamRmsState(NamedTuple):
   """State of :func:`scale_by_nesterov_adam_rms`."""
@@ -42,9 +47,21 @@ def nesterov_moment(mu, g, b1, bc1, bc1_next):
 
 
 def adam_rms_mix(mu_hat, nu_hat, nu_rms, g, eps, eps_root, adam_weight):
-  """``w mu_hat / (sqrt(nu_hat + eps_root) + eps) + (1 - w) g / (sqrt(nu_rms) + eps)``."""
-  adam = mu_hat / (jnp.sqrt(nu_hat + eps_root) + eps)
+  """``w mu_hat / (sqrt(nu_hat + eps_root) + eps) + (1 - w) g / (sqrt(nu_rms) + eps)``.
+
+  A static ``w`` of 1 (0) leaves the other term out of the program: it
+  would be multiplied by 0, which XLA cannot fold for floats.
+  """
+  w = _common.concrete_value(adam_weight, "adam_weight")
+  adam = None
+  if w != 0.0:
+    root = nu_hat if _common.is_static_zero(eps_root) else nu_hat + eps_root
+    adam = mu_hat / (jnp.sqrt(root) + eps)
+    if w == 1.0:
+      return adam
   rms = g / (jnp.sqrt(nu_rms) + eps)
+  if adam is None:
+    return rms
   return adam_weight * adam + (1 - adam_weight) * rms
 
 

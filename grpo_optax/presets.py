@@ -10,7 +10,11 @@ the rooms and how to add one.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
+from typing import TypeVar
+from typing import cast
 
 import numpy as np
 import optax
@@ -25,6 +29,11 @@ from grpo_optax.momentum import scale_by_nesterov_adam_rms
 from grpo_optax.sparsify import ema_threshold_mask
 from grpo_optax.sparsify import top_k_mask
 from grpo_optax.variance import scale_by_variance_lr
+
+__all__ = (
+  "ARTICLE_DEFAULTS",
+  "grpo",
+)
 
 SPARSIFIERS = ("topk", "threshold", None)
 PLACEMENTS = ("input", "output")
@@ -41,7 +50,32 @@ ARTICLE_DEFAULTS = {
   "min_size": 0,
 }
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 
+
+def _refuse_adamw_mask(fn: _F) -> _F:
+  """Refuses ``mask=`` with a ``TypeError`` that names ``weight_decay_mask``.
+
+  ``optax.adamw`` calls its weight-decay mask ``mask``; here a "mask" is the
+  gradient mask (``sparsify``, ``min_size``), so ``grpo`` does not take the
+  word as an alias and says which keyword is meant. The signature is
+  ``fn``'s (``functools.wraps``).
+  """
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    if "mask" in kwargs:
+      raise TypeError(
+        "grpo() got an unexpected keyword argument 'mask': optax.adamw's "
+        "mask (which leaves decay) is weight_decay_mask= here, beside "
+        "weight_decay=; the gradient mask is sparsify= / min_size="
+      )
+    return fn(*args, **kwargs)
+
+  return cast(_F, wrapper)
+
+
+@_refuse_adamw_mask
 def grpo(
   learning_rate: float | optax.Schedule = 1e-3,
   *,
@@ -78,6 +112,7 @@ def grpo(
   nu_dtype: Any | None = None,
   mu_format: Any | None = None,
   nu_format: Any | None = None,
+  accumulator_format: str | None = None,
   variance_coef: float | None = None,
   variance_decay: float = 0.99,
   variance_reduction: str = "leaf",
@@ -149,7 +184,9 @@ def grpo(
       None (off).
     weight_decay: decoupled weight decay as in ``optax.adamw``, or None.
     weight_decay_mask: a tree of bools (or a callable of params returning
-      one) choosing the leaves that decay, as ``optax.adamw``'s ``mask``.
+      one) choosing the leaves that decay, as ``optax.adamw``'s ``mask``
+      (``mask=`` itself raises a ``TypeError`` naming this keyword: a
+      "mask" here is the gradient mask).
     importance: enable Taylor importance weighting.
     importance_placement: ``"input"`` (the articles' order: the weights
       scale the gradient before the adaptive step) or ``"output"`` (they
@@ -187,6 +224,11 @@ def grpo(
       ``"bfloat16_sr"``, ``"int8"``: block-wise 8-bit, see
       :mod:`grpo_optax.quantization`), or None (``mu_dtype``).
     nu_format: the same for the second moment (``"uint8"`` for 8-bit).
+    accumulator_format: storage of the mask's error-feedback accumulator:
+      None (the params' dtype), ``"float32"``, ``"bfloat16_sr"`` or
+      ``"int8_sr"`` (block-wise 8 bits), the lossy ones rounded
+      stochastically (unbiased); the mask, the update and the next
+      residual all read the stored value.
     variance_coef: coefficient of the variance rate, or None for off.
     variance_decay: EMA decay of the variance estimate.
     variance_reduction: ``"element"``, ``"leaf"`` or ``"global"``.
@@ -277,6 +319,7 @@ def grpo(
     nu_dtype,
     mu_format,
     nu_format,
+    accumulator_format,
   )
   stages = []
   if use_core and not (importance and importance_placement == "input"):
@@ -351,6 +394,7 @@ def _rooms(
   nu_dtype,
   mu_format,
   nu_format,
+  accumulator_format,
   variance_coef,
   variance_decay,
   variance_eps,
@@ -384,6 +428,7 @@ def _rooms(
       min_size=("min_size", min_size),
       warmup_steps=("sparsify_warmup_steps", sparsify_warmup_steps),
       seed=("seed", seed),
+      accumulator_format=("accumulator_format", accumulator_format),
     ),
     "threshold": _stage(
       ema_threshold_mask,
@@ -392,6 +437,8 @@ def _rooms(
       scale=("threshold_scale", threshold_scale),
       error_feedback=("error_feedback", error_feedback),
       min_size=("min_size", min_size),
+      seed=("seed", seed),
+      accumulator_format=("accumulator_format", accumulator_format),
     ),
     "adaptive": _stage(
       scale_by_nesterov_adam_rms,
@@ -451,6 +498,7 @@ def _core(
   nu_dtype,
   mu_format=None,
   nu_format=None,
+  accumulator_format=None,
 ) -> optax.GradientTransformationExtraArgs:
   """The fused clip + mask + Adam core (arguments validated by _rooms)."""
   f32 = _common.f32
@@ -473,6 +521,11 @@ def _core(
       alpha=f32(alpha),
       every=every,
       scale=f32(threshold_scale),
+      accumulator_format=(
+        None
+        if accumulator_format is None
+        else quantization.state_format(accumulator_format)
+      ),
     )
   adam = fused_lib._Adam(  # pylint: disable=protected-access
     b1=f32(b1),

@@ -12,6 +12,10 @@ x)``, all inside one elementwise pass that XLA fuses. The formats:
   moment, error-feedback residual) after Dettmers et al. (2022): an int8
   code per entry and one float32 scale (the block's absolute maximum) per
   block of ``block_size`` entries along the last axis.
+* ``"int8_sr"``: the same codes, rounded stochastically between the two
+  levels around each entry (unbiased in value): for arrays that accumulate
+  small increments (the error-feedback accumulator), where rounding to
+  nearest would drop them.
 * ``"uint8"``: the same for a non-negative array (second moment): a uint8
   code, 255 levels of magnitude instead of 127.
 
@@ -72,6 +76,24 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = (
+  "DEFAULT_BLOCK_SIZE",
+  "FORMAT_NAMES",
+  "FormatLike",
+  "Quantized",
+  "StateFormat",
+  "bytes_per_entry",
+  "decode",
+  "encode",
+  "init",
+  "scale_shape",
+  "state_format",
+  "tree_bytes",
+  "tree_decode",
+  "tree_encode",
+  "tree_init",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class StateFormat:
@@ -102,14 +124,24 @@ class StateFormat:
     return int(jnp.iinfo(self.dtype).max) if self.blocked else 0
 
 
-FORMAT_NAMES = ("float32", "bfloat16", "bfloat16_sr", "int8", "uint8")
+#: The names :func:`state_format` accepts (``mu_format=``, ``nu_format=``).
+FORMAT_NAMES = (
+  "float32",
+  "bfloat16",
+  "bfloat16_sr",
+  "int8",
+  "int8_sr",
+  "uint8",
+)
+#: Entries per block of the 8-bit formats, along the last axis.
 DEFAULT_BLOCK_SIZE = 256
-_DEFAULT_POWER = {"int8": 2, "uint8": 2}
+_DEFAULT_POWER = {"int8": 2, "int8_sr": 2, "uint8": 2}
 _DTYPES = {
   "float32": jnp.float32,
   "bfloat16": jnp.bfloat16,
   "bfloat16_sr": jnp.bfloat16,
   "int8": jnp.int8,
+  "int8_sr": jnp.int8,
   "uint8": jnp.uint8,
 }
 
@@ -127,6 +159,7 @@ class Quantized(NamedTuple):
   scale: Any
 
 
+#: A format: one of :data:`FORMAT_NAMES` or a :class:`StateFormat`.
 FormatLike = str | StateFormat
 
 
@@ -171,7 +204,13 @@ def state_format(
     raise ValueError(f"`block_size` must be an int >= 1, got {block_size!r}.")
   if not isinstance(power, int) or not 1 <= power <= 8:
     raise ValueError(f"`power` must be an int in [1, 8], got {power!r}.")
-  return StateFormat(name, jnp.dtype(_DTYPES[name]), block_size, power)
+  return StateFormat(
+    name,
+    jnp.dtype(_DTYPES[name]),
+    block_size,
+    power,
+    stochastic=name.endswith("_sr"),
+  )
 
 
 def scale_shape(fmt: StateFormat, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -286,7 +325,9 @@ def _root(u: jax.Array, power: int) -> jax.Array:
   return u if power == 1 else jnp.power(u, np.float32(1 / power))
 
 
-def _encode_blocked(fmt: StateFormat, x: jax.Array) -> Quantized:
+def _encode_blocked(
+  fmt: StateFormat, x: jax.Array, bits: jax.Array | None = None
+) -> Quantized:
   shape = x.shape
   xb, pad = _blocks(fmt, x.astype(jnp.float32))
   absmax = jnp.max(jnp.abs(xb), axis=-1)
@@ -295,8 +336,16 @@ def _encode_blocked(fmt: StateFormat, x: jax.Array) -> Quantized:
     u = jnp.where(xb > 0, u, 0.0)  # negative entries of a "uint8" array -> 0
   q_max = np.float32(fmt.levels)
   lo = jnp.clip(jnp.floor(_root(u, fmt.power) * q_max), 0, q_max - 1)
-  # Nearest in value between the two codes around u: (lo/Q)^p <= u ~ ((lo+1)/Q)^p.
-  up = _magnitude(fmt, lo + 1) - u < u - _magnitude(fmt, lo)
+  below, above = _magnitude(fmt, lo), _magnitude(fmt, lo + 1)
+  if bits is None:
+    # Nearest in value between the two codes around u:
+    # (lo/Q)^p <= u ~ ((lo+1)/Q)^p.
+    up = above - u < u - below
+  else:
+    # Up with probability (u - below) / (above - below): unbiased in value.
+    bb, _ = _blocks(fmt, bits)
+    uniform = (bb >> np.uint32(8)).astype(jnp.float32) * np.float32(2**-24)
+    up = uniform * (above - below) < u - below
   q = jnp.where(up, lo + 1, lo)
   if fmt.dtype == jnp.int8:
     q = jnp.where(xb < 0, -q, q)
@@ -319,54 +368,70 @@ def _decode_blocked(
   return _unblock(value * scale[..., None], pad, shape)
 
 
-def _round_bf16_stochastic(x: jax.Array, key: jax.Array) -> jax.Array:
+def _round_bf16_stochastic(x: jax.Array, bits: jax.Array) -> jax.Array:
   """bf16 rounding up or down with probabilities that make it unbiased.
 
-  Adds a uniform 16-bit integer to the low half of the float32 bits and
-  truncates: ``x`` between two bf16 neighbours ``a < x < b`` becomes ``b``
-  with probability ``(x - a) / (b - a)``. Non-finite entries round to nearest.
+  Adds a uniform 16-bit integer (the low half of ``bits``) to the low half
+  of the float32 bits and truncates: ``x`` between two bf16 neighbours
+  ``a < x < b`` becomes ``b`` with probability ``(x - a) / (b - a)``.
+  Non-finite entries round to nearest.
   """
   x = x.astype(jnp.float32)
-  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  noise = jax.random.bits(key, x.shape, jnp.uint32) & np.uint32(0xFFFF)
-  rounded = (bits + noise) & np.uint32(0xFFFF0000)
-  out = jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
+  word = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  noise = bits & np.uint32(0xFFFF)
+  # The upper half of the rounded word is the bf16 itself: built as bf16
+  # bits, so that XLA keeps the 2-byte result (the stored state) in memory,
+  # not a float32 copy of it.
+  high = ((word + noise) >> np.uint32(16)).astype(jnp.uint16)
+  out = jax.lax.bitcast_convert_type(high, jnp.bfloat16)
   return jnp.where(jnp.isfinite(x), out, x.astype(jnp.bfloat16))
 
 
 def encode(
-  fmt: FormatLike, x: jax.Array, *, key: jax.Array | None = None
+  fmt: FormatLike,
+  x: jax.Array,
+  *,
+  key: jax.Array | None = None,
+  bits: jax.Array | None = None,
 ) -> Any:
   r"""Stores ``x`` in format ``fmt``.
 
-  Float formats cast (``"bfloat16_sr"`` rounds stochastically with ``key``).
-  8-bit formats: per block of ``B`` entries along the last axis,
-  :math:`s = \max_i |x_i|` and :math:`q_i = \mathrm{sign}(x_i)
-  \arg\min_{k \in 0..Q} |s (k/Q)^p - |x_i||` (``"uint8"`` stores negative
-  entries as 0).
+  Float formats cast (``"bfloat16_sr"`` rounds stochastically). 8-bit
+  formats: per block of ``B`` entries along the last axis, :math:`s =
+  \max_i |x_i|` and :math:`q_i = \mathrm{sign}(x_i) \arg\min_{k \in 0..Q}
+  |s (k/Q)^p - |x_i||` (``"uint8"`` stores negative entries as 0);
+  ``"int8_sr"`` rounds :math:`|x_i|` to one of its two neighbouring levels
+  at random, the upper with probability (distance to the lower) / (gap), so
+  that the decoded value is unbiased: :math:`E[\hat x_i] = x_i`.
 
   Args:
     fmt: a format name or :class:`StateFormat`.
     x: the array (any float dtype, any shape).
-    key: a PRNG key; required by stochastic formats, ignored otherwise.
+    key: a PRNG key: the random bits of a stochastic format.
+    bits: or the random bits themselves, a uint32 array shaped like ``x``
+      (e.g. :func:`grpo_optax._common.hash_bits`); ignored by
+      deterministic formats.
 
   Returns:
     An array of ``fmt.dtype`` (float formats) or a :class:`Quantized`.
 
   Raises:
-    ValueError: if ``fmt`` is stochastic and ``key`` is None.
+    ValueError: if ``fmt`` is stochastic and neither ``key`` nor ``bits``
+      is given.
   """
   fmt = state_format(fmt)
-  if fmt.blocked:
-    _check_blocks_in_shards(fmt, x, "an array")
-    return _encode_blocked(fmt, x)
-  if fmt.stochastic:
+  if fmt.stochastic and bits is None:
     if key is None:
       raise ValueError(
         f"format {fmt.name!r} rounds stochastically: `key` "
         "must be a PRNG key, got None."
       )
-    return _round_bf16_stochastic(x, key)
+    bits = jax.random.bits(key, x.shape, jnp.uint32)
+  if fmt.blocked:
+    _check_blocks_in_shards(fmt, x, "an array")
+    return _encode_blocked(fmt, x, bits if fmt.stochastic else None)
+  if bits is not None and fmt.stochastic:
+    return _round_bf16_stochastic(x, bits)
   return x.astype(fmt.dtype)
 
 

@@ -23,9 +23,10 @@ copies a donated state buffer to keep an old value alive (see
 its residual directly (the exact top-k and the frequency-weighted score,
 whose masks are not a threshold on ``|acc|``).
 
-Samples are grids ``x[o_0::s_0, o_1::s_1, ...]`` (:func:`grpo_optax._common.
-sample_strides`): no flattening and no gather, so a sharded leaf is sampled
-shard by shard and the only collectives of a mask are scalar all-reduces.
+Samples are grids ``x[o_0::s_0, o_1::s_1, ...]``
+(:func:`grpo_optax._common.sample_strides`): no flattening and no gather, so
+a sharded leaf is sampled shard by shard and the only collectives of a mask
+are scalar all-reduces.
 """
 
 from __future__ import annotations
@@ -38,16 +39,24 @@ from typing import cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from grpo_optax import _common
+from grpo_optax import quantization
+
+__all__ = (
+  "EmaThresholdMaskState",
+  "TopKMaskState",
+  "ema_threshold_mask",
+  "top_k_mask",
+)
 
 METHODS = ("exact", "sampled")
 _MIN_SAMPLE = 1024  # floor on the sample size of the sampled threshold
 _MAX_SAMPLE = 65536  # cap on it (the quantile error is ~0.2% there)
 _SAMPLE_RATE = 0.01  # fraction of a leaf sampled (Deep Gradient Compression)
 _MEAN_SAMPLE = 4096  # grid sample of the threshold mask's mean |a|
-_BISECTION_STEPS = 24
 RESIDUAL_ONLY = -1.0  # threshold of a leaf whose accumulator is its residual
 
 
@@ -66,6 +75,14 @@ def split_by_mask(a: Any, keep: Any) -> tuple[Any, Any]:
   return jnp.where(keep, a, zero), jnp.where(keep, zero, a)
 
 
+def masked_part(a: Any, threshold: Any) -> Any:
+  """``a`` where ``|a| >= threshold``, else 0: the kept part of
+  :func:`keep_mask` (an exact zero is 0 either way).
+  """
+  thr = jnp.asarray(threshold).astype(a.dtype)
+  return jnp.where(jnp.abs(a) >= thr, a, jnp.zeros_like(a))
+
+
 def residual_of(acc: jax.Array, threshold: jax.Array) -> jax.Array:
   """The residual held by an accumulator and its (last step's) threshold."""
   thr = threshold.astype(acc.dtype)
@@ -80,6 +97,157 @@ def accumulate(
   if acc is None:
     return g
   return g + residual_of(acc, threshold).astype(g.dtype)
+
+
+def accumulate_leaves(
+  x_leaves: list[jax.Array],
+  accs: list[Any],
+  thresholds: jax.Array,
+  dense: list[Any],
+) -> list[jax.Array]:
+  """Per leaf, ``a = x + r`` (:func:`accumulate`): the residual ``r`` read
+  from the accumulator and the leaf's threshold in ``thresholds``; a leaf
+  that passes dense for a static ``min_size`` holds no residual (``a = x``).
+  The thresholds are split for the masked leaves only (one scalar buffer
+  each, :func:`grpo_optax._common.unstack`).
+  """
+  a_leaves = list(x_leaves)
+  masked = [i for i in masked_leaves(dense) if accs[i] is not None]
+  if not masked:
+    return a_leaves
+  old = thresholds
+  if len(masked) != len(x_leaves):
+    old = _common.take(thresholds, masked)
+  for i, th in zip(masked, _common.unstack(old)):
+    a_leaves[i] = _accumulate_leaf(x_leaves[i], accs[i], th)
+  return a_leaves
+
+
+@jax.jit
+def _accumulate_leaf(x: jax.Array, acc: jax.Array, threshold: jax.Array):
+  """:func:`accumulate` in ``x``'s dtype, jitted: leaves of one shape share
+  one trace and one lowered function (XLA inlines the calls).
+  """
+  return accumulate(x, acc, threshold).astype(x.dtype)
+
+
+#: Storage formats of the error-feedback accumulator (``accumulator_format``):
+#: None keeps the params' dtype. Only unbiased lossy formats are offered:
+#: rounding to nearest makes a small gradient vanish into a large residual
+#: every step (bf16 keeps 8 bits, so a gradient below 1/256 of its entry is
+#: lost; an 8-bit block rounds entries below 1/32,000 of its maximum to 0).
+ACCUMULATOR_FORMATS = ("float32", "bfloat16_sr", "int8_sr")
+_ACC_LANE = 8  # random_words lane of the accumulator's rounding noise
+
+
+def check_accumulator_format(value: Any) -> Any:
+  """The accumulator's :class:`~grpo_optax.quantization.StateFormat` (None
+  for the params' dtype); a ``ValueError`` names the argument otherwise.
+  """
+  if value is None:
+    return None
+  if value in ("bfloat16", "int8"):
+    raise ValueError(
+      f"accumulator_format must be one of {ACCUMULATOR_FORMATS} or None, got "
+      f"{value!r}: rounding to nearest loses every gradient entry below half "
+      "a step of its accumulated entry, at every step (the error feedback "
+      f"would no longer carry it); use {value + '_sr'!r}, which rounds "
+      "stochastically and loses nothing on average"
+    )
+  _common.check_choice(
+    "accumulator_format", value, (*ACCUMULATOR_FORMATS, None)
+  )
+  return quantization.state_format(value)
+
+
+def init_accumulator(params: Any, fmt: Any) -> Any:
+  """Zeros for the accumulator, stored in ``fmt`` (None: the params')."""
+  if fmt is None:
+    return optax.tree.zeros_like(params)
+  return quantization.tree_init(fmt, params)
+
+
+def _stored_format(stored: Any) -> Any:
+  """The format of a stored accumulator, read off its structure: the named
+  formats of :data:`ACCUMULATOR_FORMATS` all use the default layout.
+  """
+  if isinstance(stored, quantization.Quantized):
+    return quantization.state_format("int8_sr")
+  return None
+
+
+def read_accumulator(stored: Any, treedef: Any) -> list[Any]:
+  """The accumulator's leaves as arrays (decoded from an 8-bit form)."""
+  fmt = _stored_format(stored)
+  if fmt is None:
+    return treedef.flatten_up_to(stored)
+  return [
+    quantization.decode(fmt, quantization.Quantized(c, s))
+    for c, s in zip(
+      treedef.flatten_up_to(stored.codes), treedef.flatten_up_to(stored.scale)
+    )
+  ]
+
+
+def store_accumulator(
+  a_leaves: list[jax.Array],
+  stored: Any,
+  treedef: Any,
+  dense: list[Any],
+  fmt: Any,
+  word: jax.Array,
+) -> tuple[Any, list[jax.Array]]:
+  """The new stored accumulator and the values its readers must use.
+
+  A leaf keeps ``a``, or 0 on a dense leaf (its threshold
+  :data:`RESIDUAL_ONLY` makes the accumulator its residual; a statically
+  dense leaf's is never written). In a lossy ``fmt`` the stored value is
+  rounded stochastically (noise :func:`grpo_optax._common.hash_bits` of
+  ``word``, unbiased), and the mask, the update and the next step's
+  residual all read that stored value (returned as the second element), so
+  that nothing but the rounding's zero-mean error is lost; reading ``a``
+  instead would also make XLA copy the donated accumulator (it is read
+  after being overwritten in place).
+  """
+  old = treedef.flatten_up_to(
+    stored.codes if _stored_format(stored) else stored
+  )
+  scales = (
+    treedef.flatten_up_to(stored.scale) if _stored_format(stored) else old
+  )
+  new_stored, new_scales, read = [], [], list(a_leaves)
+  for i, (a, o, sc, d) in enumerate(zip(a_leaves, old, scales, dense)):
+    if d is True:
+      new_stored.append(o)
+      new_scales.append(sc)
+      continue
+    value = a if d is False else jnp.where(d, jnp.zeros_like(a), a)
+    if fmt is None or fmt.name == "float32":
+      new_stored.append(value.astype(o.dtype))
+      new_scales.append(sc)
+      continue
+    enc = quantization.encode(fmt, value, bits=_common.hash_bits(a.shape, word))
+    if fmt.blocked:
+      new_stored.append(enc.codes)
+      new_scales.append(enc.scale)
+    else:
+      new_stored.append(enc)
+      new_scales.append(sc)
+    dec = quantization.decode(fmt, enc).astype(a.dtype)
+    read[i] = dec if d is False else jnp.where(d, a, dec)
+  if fmt is not None and fmt.blocked:
+    return (
+      quantization.Quantized(
+        treedef.unflatten(new_stored), treedef.unflatten(new_scales)
+      ),
+      read,
+    )
+  return treedef.unflatten(new_stored), read
+
+
+def accumulator_word(seed: Any, count: jax.Array) -> jax.Array:
+  """The step's uint32 word of the accumulator's rounding noise."""
+  return random_words(seed, count, _ACC_LANE + 1)[_ACC_LANE]
 
 
 def ema_threshold(
@@ -142,26 +310,61 @@ def sample_size(n: int) -> int:
 _OFFSET_BITS = 8  # one random word per axis position (axes >= 8 wrap)
 
 
+def random_words(seed: Any, count: jax.Array, n: int) -> list[jax.Array]:
+  """``n`` pseudo-random uint32 scalars drawn from ``(seed, count)``.
+
+  A counter-based hash of scalars (no PRNG state, no loop, no vector to
+  slice, constants on the right): ``jax.random``'s threefry lowers to a
+  ``while`` loop, and a loop, a scalar sliced out of a vector or an
+  expression XLA folds or reorders makes its simplification passes run to
+  their fixed point once more over the whole update (each round costs about
+  as much as compiling ``optax.adam``).
+  """
+  if isinstance(seed, (int, np.integer)):
+    with np.errstate(over="ignore"):
+      s = jnp.asarray(_common.mix32(np.uint32(seed) ^ np.uint32(0x9E3779B9)))
+  else:
+    s = _common.mix32(
+      jnp.asarray(seed).astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9)
+    )
+  c = _common.mix32(count.astype(jnp.uint32) * jnp.uint32(0x85EBCA77) + s)
+  return [
+    _common.mix32(c + jnp.uint32((0xC2B2AE3D * (i + 1)) & 0xFFFFFFFF))
+    for i in range(n)
+  ]
+
+
+def _mod(x: jax.Array, n: int) -> jax.Array:
+  """``x mod n`` for a uint32 ``x`` and a static ``n >= 1``, as XLA would
+  rewrite it (a mask for a power of two), not ``jnp``'s ``%`` with its guard
+  against 0.
+  """
+  if n & (n - 1) == 0:
+    return x & jnp.uint32(n - 1)
+  return jax.lax.rem(x, jnp.uint32(n))
+
+
 def _random_offsets(seed: Any, count: jax.Array, strides_list) -> list[Any]:
   """One draw per step; axis ``d`` of every leaf reads word ``d mod 8``.
 
   A leaf's offsets depend on its shape and the draw only (not on which
   other leaves are sampled), and leaves of one shape share them, which keeps
-  the compiled program small (XLA merges the identical scalar arithmetic).
+  the compiled program small.
   """
   if not any(any(s > 1 for s in st) for st in strides_list):
     return [None] * len(strides_list)
-  key = jax.random.PRNGKey(jnp.asarray(seed, jnp.uint32))
-  bits = jax.random.bits(
-    jax.random.fold_in(key, count), (_OFFSET_BITS,), jnp.uint32
-  )
-  out = []
+  words = random_words(seed, count, _OFFSET_BITS)
+  out, memo = [], {}
   for strides in strides_list:
-    offs = [
-      (bits[d % _OFFSET_BITS] % jnp.uint32(s)).astype(jnp.int32)
-      for d, s in enumerate(strides)
-    ]
-    out.append(None if all(s == 1 for s in strides) else offs)
+    if all(s == 1 for s in strides):
+      out.append(None)
+      continue
+    if strides not in memo:  # leaves of one shape share one computation
+      memo[strides] = [
+        _mod(words[d % _OFFSET_BITS], s).astype(jnp.int32)
+        for d, s in enumerate(strides)
+      ]
+    out.append(memo[strides])
   return out
 
 
@@ -184,105 +387,162 @@ def random_samples(
   ]
 
 
-def bisect_thresholds(
-  samples: list[jax.Array], fraction, with_kept: bool = False
-):
-  """For each sample, the value above which ``fraction`` of it lies.
+_BITS_INF = 0x7F800000  # the bits of float32 +inf
 
-  24 bisection steps between the sample's min and max, counting entries
-  ``>= mid``: O(m) per step and no sort. All samples share one loop whose
-  carry holds one ``(lo, hi, count at lo)`` triple per sample; each sample
-  is counted by its own reduction over all of its axes, so a sharded sample
-  is counted shard by shard plus a scalar all-reduce.
+
+def _varying_like(value: jax.Array, *xs) -> jax.Array:
+  """``value`` typed as varying over every ``shard_map`` axis one of ``xs``
+  varies over (a ``lax.fori_loop`` carry must keep its type); no operation
+  is added to the program.
+  """
+  axes: set = set()
+  for x in xs:
+    axes |= set(getattr(jax.typeof(x), "vma", ()) or ())
+  if not axes:
+    return value
+  return jax.lax.pcast(value, tuple(sorted(axes)), to="varying")
+
+
+def _group_key(x: jax.Array) -> tuple:
+  """Samples of one key are stacked: same shape, dtype and (on an Explicit
+  mesh) sharding, so the stack is laid out as each of them is.
+  """
+  return (x.shape, jnp.result_type(x), _common.explicit_spec(x))
+
+
+def bisect_thresholds(samples: list[jax.Array], fraction):
+  """For each sample, the ``ceil(fraction m)``-th largest of its magnitudes:
+  the largest ``t`` with ``count(|x| >= t) >= fraction m``.
+
+  A bisection on the float32 bit patterns, which order non-negative floats
+  as their values do: 31 halvings of ``[0, bits(inf)]`` find the exact
+  order statistic of the sample, with no sort and no min / max pass. The
+  samples of one shape (and layout) are stacked and bisected together, one
+  row each: a step of the loop is one count per group of samples, a
+  reduction over the samples' axes (local to each shard, plus an
+  all-reduce of one int per sample on a sharded leaf). The compiled loop
+  then does not grow with the number of leaves (one loop with a carry per
+  sample compiled in 30 s for 1,536 leaves, against 2 s stacked).
 
   Args:
-    samples: float arrays of any shape.
+    samples: real float arrays of any shape (the modulus of complex ones).
     fraction: the fraction to keep, in (0, 1] (may be traced).
-    with_kept: also return each sample's kept fraction at its threshold.
 
   Returns:
-    One scalar threshold per sample (0, i.e. keep every non-zero entry, when
-    ``fraction >= 1``); with ``with_kept``, ``(thresholds, kept fractions)``.
+    ``(thresholds, kept)``: float32 vectors in the order of ``samples``,
+    each sample's threshold (0, i.e. keep every non-zero entry, when
+    ``fraction >= 1``) and the fraction of its entries at or above it.
   """
-  if not samples:
-    return ([], []) if with_kept else []
-  samples = [x.astype(jnp.float32) for x in samples]
-  # One reduction per sample and step (stacking the samples of one shape
-  # would cut the program but makes XLA reshard samples of differently
-  # sharded leaves).
-  targets = [fraction * x.size for x in samples]
-
-  def body(_, bounds):
-    out = []
-    for x, target, (lo, hi, c_lo) in zip(samples, targets, bounds):
-      mid = 0.5 * (lo + hi)
-      count = jnp.sum(x >= mid, dtype=jnp.float32)
-      keeps_enough = count >= target
-      out.append(
-        (
-          jnp.where(keeps_enough, mid, lo),
-          jnp.where(keeps_enough, hi, mid),
-          jnp.where(keeps_enough, count, c_lo),
-        )
-      )
-    return out
-
-  def start(x):
-    lo, hi = jnp.min(x), jnp.max(x)
-    # The count at lo (all of x) as a value of x's type: inside shard_map a
-    # constant would be invariant while the loop's count varies like x.
-    return lo, hi, jnp.where(False, hi, jnp.float32(x.size))
-
-  bounds = jax.lax.fori_loop(
-    0, _BISECTION_STEPS, body, [start(x) for x in samples]
-  )
-  # Keeping everything (a warm-up's first step) must not drop the entries
-  # that lie below the sample's minimum.
+  n = len(samples)
+  if not n:
+    return jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32)
+  groups: dict[tuple, list[int]] = {}
+  for j, x in enumerate(samples):
+    groups.setdefault(_group_key(x), []).append(j)
+  thr_parts, kept_parts, order = [], [], []
+  for js in groups.values():
+    stacked = jnp.stack(jax.lax.optimization_barrier([samples[j] for j in js]))
+    thr, kept = _bisect_rows(stacked, fraction)
+    thr_parts.append(thr)
+    kept_parts.append(kept)
+    order += js
+  thr = jnp.concatenate(thr_parts)
+  kept = jnp.concatenate(kept_parts)
+  if order != list(range(n)):
+    inverse = np.argsort(np.asarray(order))
+    thr, kept = _common.take(thr, inverse), _common.take(kept, inverse)
+  # Keeping everything (a warm-up's first step) keeps entries below the
+  # sample's smallest too.
   keep_all = jnp.asarray(fraction) >= 1
-  thresholds = [jnp.where(keep_all, 0.0, lo) for lo, _, _ in bounds]
-  kept = [
-    jnp.where(keep_all, 1.0, c / x.size)
-    for (_, _, c), x in zip(bounds, samples)
-  ]
-  if not with_kept:
-    return thresholds
-  return thresholds, kept
+  return jnp.where(keep_all, 0.0, thr), jnp.where(keep_all, 1.0, kept)
+
+
+def _bisect_rows(stacked: jax.Array, fraction):
+  """:func:`bisect_thresholds` of each row of ``stacked`` (axis 0).
+
+  The loop's body is written in ``lax`` operations that XLA's loop passes
+  leave as they are (a ``//`` or a ``jnp.where`` brings constants that
+  they hoist and sink again, and each change makes the simplification
+  passes run over the whole update once more).
+  """
+  # |x| in the bit domain (the sign bit cleared), on the stack: an abs of
+  # each sample would be an elementwise op on a reshape, which XLA's
+  # reshape-mover rewrites.
+  bits = jax.lax.bitcast_convert_type(
+    stacked.astype(jnp.float32), jnp.int32
+  ) & jnp.int32(0x7FFFFFFF)
+  rows = bits.shape[0]
+  m = bits[0].size
+  axes = tuple(range(1, bits.ndim))
+  target = fraction * m
+  one = jnp.int32(1)
+
+  def body(_, carry):
+    lo, hi, c_lo = carry
+    mid = lo + jax.lax.shift_right_logical(hi - lo, one)
+    count = jnp.sum(
+      bits >= jax.lax.broadcast_in_dim(mid, bits.shape, (0,)),
+      axis=axes,
+      dtype=jnp.int32,
+    )
+    ok = count >= target
+    return (
+      jax.lax.select(ok, mid, lo),
+      jax.lax.select(ok, hi, mid),
+      jax.lax.select(ok, count, c_lo),
+    )
+
+  start = tuple(
+    _varying_like(jnp.full((rows,), v, jnp.int32), bits, target)
+    for v in (0, _BITS_INF + 1, m)
+  )
+  lo, _, count = jax.lax.fori_loop(0, 31, body, start)
+  return (
+    jax.lax.bitcast_convert_type(lo, jnp.float32),
+    count.astype(jnp.float32) / m,
+  )
 
 
 def sampled_thresholds(
-  abs_leaves: list[jax.Array],
-  fraction,
-  seed: Any,
-  count: jax.Array,
-  with_kept: bool = False,
+  leaves: list[jax.Array], fraction, seed: Any, count: jax.Array
 ):
-  """Per leaf, the threshold on ``|a|`` that keeps about ``fraction``."""
+  """Per leaf, the threshold on ``|a|`` that keeps about ``fraction``, and the
+  kept fraction of its sample: two float32 vectors (:func:`bisect_thresholds`
+  of :func:`random_samples`).
+  """
+  samples = random_samples(leaves, seed, count)
   return bisect_thresholds(
-    random_samples(abs_leaves, seed, count), fraction, with_kept
+    [
+      jnp.abs(x) if jnp.issubdtype(x.dtype, jnp.complexfloating) else x
+      for x in samples
+    ],
+    fraction,
   )
 
 
 def ema_taus(
   abs_leaves: list[jax.Array],
-  taus: list[jax.Array],
+  taus: jax.Array,
   alpha,
   count: jax.Array,
   every,
-) -> list[jax.Array]:
-  """Per leaf, the EMA threshold ``tau`` after this step.
+) -> jax.Array:
+  """The EMA thresholds ``tau`` of the leaves after this step, as a vector.
 
-  ``mean|a|`` comes from a fixed grid of about 4,096 entries of the leaf (one
-  reduction, local to each shard plus a scalar all-reduce).
+  ``mean|a|`` comes from a fixed grid of about 4,096 entries of each leaf
+  (one reduction, local to each shard plus a scalar all-reduce); ``taus``
+  holds the leaves' ``tau`` before the step, and the EMA is one vector
+  operation over the leaves.
   """
-  out = []
-  for x, tau in zip(abs_leaves, taus):
-    mean_abs = jnp.mean(
-      _common.strided_sample(x, _MEAN_SAMPLE), dtype=jnp.float32
-    )
-    out.append(
-      ema_threshold(tau, mean_abs, alpha, count, every).astype(jnp.float32)
-    )
-  return out
+  if not abs_leaves:
+    return taus
+  means = _common.stack(
+    [
+      jnp.mean(_common.strided_sample(x, _MEAN_SAMPLE), dtype=jnp.float32)
+      for x in abs_leaves
+    ]
+  )
+  return ema_threshold(taus, means, alpha, count, every).astype(jnp.float32)
 
 
 def sampled_kept(a: jax.Array, threshold: jax.Array) -> jax.Array:
@@ -294,7 +554,10 @@ def sampled_kept(a: jax.Array, threshold: jax.Array) -> jax.Array:
 def exact_kept_fraction(accumulator, thresholds) -> jax.Array:
   """Exact kept fraction of the last step, from an accumulator state."""
   kept, total = jnp.zeros((), jnp.float32), 0
-  for a, th in zip(jax.tree.leaves(accumulator), _common.unstack(thresholds)):
+  leaves = read_accumulator(
+    accumulator, jax.tree.structure(_plain(accumulator))
+  )
+  for a, th in zip(leaves, _common.unstack(thresholds)):
     n = jnp.sum(keep_mask(a, th.astype(a.dtype)) & (th >= 0), dtype=jnp.float32)
     kept = kept + jnp.where(
       th >= 0, n, a.size - jnp.sum(a != 0, dtype=jnp.float32)
@@ -303,10 +566,18 @@ def exact_kept_fraction(accumulator, thresholds) -> jax.Array:
   return kept / total if total else jnp.ones((), jnp.float32)
 
 
+def _plain(accumulator):
+  """The params-shaped tree of a stored accumulator (codes of an 8-bit one)."""
+  if _stored_format(accumulator) is not None:
+    return accumulator.codes
+  return accumulator
+
+
 def _residual_tree(accumulator, thresholds):
   if accumulator is None:
     return None
-  leaves, treedef = jax.tree.flatten(accumulator)
+  treedef = jax.tree.structure(_plain(accumulator))
+  leaves = read_accumulator(accumulator, treedef)
   return treedef.unflatten(
     [residual_of(a, t) for a, t in zip(leaves, _common.unstack(thresholds))]
   )
@@ -394,7 +665,7 @@ def _check_leaves(who, state, updates, leaves):
   params-shaped buffer of the state (if it keeps one), their count against
   the per-leaf vectors.
   """
-  like = state.accumulator
+  like = None if state.accumulator is None else _plain(state.accumulator)
   if like is None:
     like = getattr(state, "frequency", None)
   if like is not None:
@@ -493,11 +764,7 @@ def _score_masks(
       keep = _exact_mask(score, frac, static_k) & (a != 0)
       k = jnp.sum(keep, dtype=jnp.float32) / a.size
     else:
-      # without with_kept, a list of one threshold per sample
-      thr = cast(
-        jax.Array,
-        sampled_thresholds([score - jnp.min(score)], frac, seed, t)[0],
-      )
+      thr = sampled_thresholds([score - jnp.min(score)], frac, seed, t)[0][0]
       keep = (score - jnp.min(score) >= thr) & (a != 0)
       k = sampled_kept(jnp.where(keep, 1.0, 0.0), jnp.asarray(0.5))
     if d is not False:  # traced min_size
@@ -506,6 +773,18 @@ def _score_masks(
     keeps.append(keep)
     kept.append(k)
   return keeps, kept
+
+
+def _score_path(leaves, accs, thresholds, dense, score_args):
+  """``(a_leaves, keeps, kept)`` of the exact or frequency-weighted top-k,
+  whose accumulators hold their residuals (threshold :data:`RESIDUAL_ONLY`).
+  """
+  a_leaves = [
+    accumulate(g, acc, th).astype(g.dtype)
+    for g, acc, th in zip(leaves, accs, _common.unstack(thresholds))
+  ]
+  keeps, kept = _score_masks(a_leaves, dense, *score_args)
+  return a_leaves, keeps, _common.stack(kept)
 
 
 def top_k_mask(
@@ -518,6 +797,7 @@ def top_k_mask(
   *,
   frequency_decay: float = 0.9,
   seed: int = 0,
+  accumulator_format: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Keeps the largest ``fraction`` of each leaf's entries, with error feedback.
 
@@ -558,7 +838,12 @@ def top_k_mask(
     min_size: leaves smaller than this pass dense, int >= 0.
     warmup_steps: length of the sparsity warm-up, int >= 0.
     frequency_decay: EMA decay of the kept indicator, in [0, 1).
-    seed: seed of the sample's offsets, int >= 0.
+    seed: seed of the sample's offsets (and of the accumulator's stochastic
+      rounding), int >= 0.
+    accumulator_format: storage of the error-feedback accumulator: None (the
+      params' dtype), ``"float32"``, ``"bfloat16_sr"`` (2 bytes) or
+      ``"int8_sr"`` (block-wise 8 bits, 1 byte + 4 per 256 entries), the
+      lossy ones rounded stochastically (``ACCUMULATOR_FORMATS``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -590,6 +875,7 @@ def top_k_mask(
   static_warmup = static_int("warmup_steps", warmup_steps, 0)
   static_int("seed", seed, 0)
   _common.check_bool("error_feedback", error_feedback)
+  acc_fmt = check_accumulator_format(accumulator_format)
   static_fraction = (
     _common.concrete_value(fraction) if static_warmup == 0 else None
   )
@@ -602,7 +888,9 @@ def top_k_mask(
   def init_fn(params):
     return TopKMaskState(
       count=jnp.zeros([], jnp.int32),
-      accumulator=optax.tree.zeros_like(params) if error_feedback else None,
+      accumulator=(
+        init_accumulator(params, acc_fmt) if error_feedback else None
+      ),
       thresholds=_scalars(params),
       frequency=(
         optax.tree.zeros_like(params, dtype=jnp.float32)
@@ -619,40 +907,58 @@ def top_k_mask(
     t = state.count
     leaves, treedef = jax.tree.flatten(updates)
     _check_leaves("top_k_mask", state, updates, leaves)
-    accs = _flat_or_none(state.accumulator, treedef, len(leaves))
+    accs = (
+      read_accumulator(state.accumulator, treedef)
+      if error_feedback
+      else [None] * len(leaves)
+    )
     freq = _flat_or_none(state.frequency, treedef, len(leaves))
     frac = warmup_fraction(fraction, warmup_steps, t)
-    a_leaves = [
-      accumulate(g, acc, th).astype(g.dtype)
-      for g, acc, th in zip(leaves, accs, _common.unstack(state.thresholds))
-    ]
     dense = [dense_leaf(g.size, min_size) for g in leaves]
+    stored = None
     if by_threshold:
-      thr, kept = topk_leaf_thresholds(
-        a_leaves, dense, frac, seed, t, with_kept=not error_feedback
-      )
-      thresholds = _common.stack(thr, like=state.thresholds)
-      keeps = [keep_mask(a, th.astype(a.dtype)) for a, th in zip(a_leaves, thr)]
+      a_leaves = accumulate_leaves(leaves, accs, state.thresholds, dense)
+      if error_feedback:
+        stored, a_leaves = store_accumulator(
+          a_leaves,
+          state.accumulator,
+          treedef,
+          dense,
+          acc_fmt,
+          accumulator_word(seed, t),
+        )
+      found = topk_leaf_thresholds(a_leaves, dense, frac, seed, t)
+      thresholds = found.vector + (0 * state.thresholds)
+      kept = found.kept
+      keeps = [
+        None if th is None else keep_mask(a, th.astype(a.dtype))
+        for a, th in zip(a_leaves, found.leaves)
+      ]
     else:
-      keeps, kept = _score_masks(
-        a_leaves,
+      a_leaves, keeps, kept = _score_path(
+        leaves,
+        accs,
+        state.thresholds,
         dense,
-        frac,
-        method,
-        static_fraction,
-        freq,
-        frequency_weight,
-        seed,
-        t,
+        (frac, method, static_fraction, freq, frequency_weight, seed, t),
       )
-      thr = [jnp.asarray(RESIDUAL_ONLY, jnp.float32)] * len(leaves)
-      thresholds = _common.stack(thr, like=state.thresholds)
-    outs, new_acc = [], []
+      thresholds = 0 * state.thresholds + RESIDUAL_ONLY
+    outs, residuals = [], []
     for a, keep, acc in zip(a_leaves, keeps, accs):
-      out, res = split_by_mask(a, keep)
+      out, res = (
+        (a, jnp.zeros_like(a)) if keep is None else split_by_mask(a, keep)
+      )
       outs.append(out if acc is None else out.astype(_out_dtype(a, acc)))
-      if acc is not None:
-        new_acc.append((a if by_threshold else res).astype(acc.dtype))
+      residuals.append(res)
+    if error_feedback and not by_threshold:  # the residual itself
+      stored, _ = store_accumulator(
+        residuals,
+        state.accumulator,
+        treedef,
+        dense,
+        acc_fmt,
+        accumulator_word(seed, t),
+      )
     new_freq = None
     if use_frequency:
       new_freq = treedef.unflatten(
@@ -663,15 +969,14 @@ def top_k_mask(
       )
     return treedef.unflatten(outs), TopKMaskState(
       count=_common.safe_increment(t),
-      accumulator=treedef.unflatten(new_acc) if error_feedback else None,
+      accumulator=stored,
       thresholds=thresholds,
       frequency=new_freq,
       kept_fraction=(
         None
         if state.kept_fraction is None
-        # kept is a list whenever kept_fraction is (no error feedback)
-        else size_weighted(
-          cast(list[jax.Array], kept), [g.size for g in leaves]
+        else size_weighted_vector(
+          cast(jax.Array, kept), [g.size for g in leaves]
         )
         + 0 * state.kept_fraction
       ),
@@ -682,34 +987,91 @@ def top_k_mask(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
-def size_weighted(values: list[jax.Array], sizes: list[int]) -> jax.Array:
-  """``sum(n_i v_i) / sum(n_i)`` as one dot product (1 for no entries)."""
+def size_weighted_vector(values: jax.Array, sizes: list[int]) -> jax.Array:
+  """``sum(n_i v_i) / sum(n_i)`` of a vector of per-leaf values."""
   total = sum(sizes)
   if not total:
     return jnp.ones((), jnp.float32)
-  return jnp.dot(
-    jnp.stack([jnp.asarray(v, jnp.float32) for v in values]),
-    jnp.asarray([n / total for n in sizes], jnp.float32),
-    precision=jax.lax.Precision.HIGHEST,
-  )
+  return jnp.sum(values * jnp.asarray([n / total for n in sizes], jnp.float32))
 
 
-def topk_leaf_thresholds(a_leaves, dense, frac, seed, t, with_kept=False):
-  """Thresholds of the sampled top-k: 0 (keep all) on dense leaves.
+def size_weighted(values: list[jax.Array], sizes: list[int]) -> jax.Array:
+  """``sum(n_i v_i) / sum(n_i)`` (1 for no entries), from one stacked vector."""
+  total = sum(sizes)
+  if not total:
+    return jnp.ones((), jnp.float32)
+  weights = jnp.asarray([n / total for n in sizes], jnp.float32)
+  return jnp.sum(_common.stack(values) * weights)
 
-  Returns ``(thresholds, kept)``: ``kept`` (per-leaf kept fractions of the
-  samples) is None unless ``with_kept``.
+
+class LeafThresholds(NamedTuple):
+  """The thresholds of one step of a mask, for the state and for the leaves.
+
+  ``vector``: every leaf's threshold in tree order (the state's
+  ``thresholds``; :data:`RESIDUAL_ONLY` on a leaf that passes dense).
+  ``leaves``: per leaf, its threshold as a separate scalar (None on a leaf
+  that passes dense for a static ``min_size``), read by that leaf's kernels.
+  ``kept``: per-leaf kept fractions (1 on a dense leaf), a vector in tree
+  order, or None where the mask does not estimate them.
   """
-  masked = [i for i, d in enumerate(dense) if d is not True]
-  found, kept_found = sampled_thresholds(
-    [jnp.abs(a_leaves[i]) for i in masked], frac, seed, t, with_kept=True
+
+  vector: jax.Array
+  leaves: list[jax.Array | None]
+  kept: jax.Array | None
+
+
+def masked_leaves(dense: list[Any]) -> list[int]:
+  """Indices of the leaves a mask may sparsify (not statically dense)."""
+  return [i for i, d in enumerate(dense) if d is not True]
+
+
+def _traced_dense(dense: list[Any], masked: list[int]) -> jax.Array | None:
+  """The dense flags of ``masked`` as a bool vector when ``min_size`` is
+  traced (some flag is a tracer), else None.
+  """
+  if all(dense[i] is False for i in masked):
+    return None
+  return _common.stack([dense[i] for i in masked], jnp.bool_)
+
+
+def _in_tree_order(values: jax.Array, masked: list[int], fill: jax.Array):
+  """A vector over all leaves: ``values[j]`` at leaf ``masked[j]``, the
+  leaf's entry of ``fill`` (a vector over all leaves) elsewhere; one gather.
+  """
+  n = fill.shape[0]
+  if masked == list(range(n)):
+    return values
+  index = np.arange(len(masked), len(masked) + n, dtype=np.int32)
+  index[masked] = np.arange(len(masked), dtype=np.int32)
+  return _common.take(jnp.concatenate([values, fill]), index)
+
+
+def _split_masked(values: jax.Array, masked: list[int], n: int):
+  """Per leaf, its entry of ``values`` (over ``masked``) or None."""
+  out: list[jax.Array | None] = [None] * n
+  for i, v in zip(masked, _common.unstack(values)):
+    out[i] = v
+  return out
+
+
+def topk_leaf_thresholds(a_leaves, dense, frac, seed, t) -> LeafThresholds:
+  """Thresholds of the sampled top-k (:func:`sampled_thresholds`).
+
+  ``dense`` (from :func:`dense_leaf`) marks leaves that pass dense: their
+  threshold is :data:`RESIDUAL_ONLY` and their kept fraction 1.
+  """
+  n = len(a_leaves)
+  masked = masked_leaves(dense)
+  thr, kept = sampled_thresholds([a_leaves[i] for i in masked], frac, seed, t)
+  traced = _traced_dense(dense, masked)
+  if traced is not None:
+    thr = jnp.where(traced, RESIDUAL_ONLY, thr)
+    kept = jnp.where(traced, 1.0, kept)
+  return LeafThresholds(
+    vector=_in_tree_order(thr, masked, jnp.full((n,), RESIDUAL_ONLY)),
+    leaves=_split_masked(thr, masked, n),
+    kept=_in_tree_order(kept, masked, jnp.ones((n,), jnp.float32)),
   )
-  thr = [jnp.zeros((), jnp.float32)] * len(a_leaves)
-  kept = [jnp.ones((), jnp.float32)] * len(a_leaves)
-  for i, th, k in zip(masked, found, kept_found):
-    thr[i] = th if dense[i] is False else jnp.where(dense[i], 0.0, th)
-    kept[i] = k if dense[i] is False else jnp.where(dense[i], 1.0, k)
-  return thr, (kept if with_kept else None)
 
 
 # --------------------------------------------------------------------------
@@ -717,25 +1079,28 @@ def topk_leaf_thresholds(a_leaves, dense, frac, seed, t, with_kept=False):
 
 
 def threshold_leaf_thresholds(
-  a_leaves, dense, taus, alpha, t, every, scale
-) -> tuple[list, list]:
-  """``(thresholds, new taus)`` of the EMA threshold: 0 on dense leaves."""
-  masked = [i for i, d in enumerate(dense) if d is not True]
-  new = ema_taus(
-    [jnp.abs(a_leaves[i]) for i in masked],
-    [taus[i] for i in masked],
-    alpha,
-    t,
-    every,
+  a_leaves, dense, taus: jax.Array, alpha, t, every, scale
+) -> tuple[LeafThresholds, jax.Array]:
+  """The EMA threshold's :class:`LeafThresholds` (``kept`` None) and its new
+  ``tau`` vector: a dense leaf keeps its ``tau``.
+  """
+  n = len(a_leaves)
+  masked = masked_leaves(dense)
+  old = taus if len(masked) == n else _common.take(taus, masked)
+  tau = ema_taus([jnp.abs(a_leaves[i]) for i in masked], old, alpha, t, every)
+  thr = (scale * tau).astype(jnp.float32)
+  traced = _traced_dense(dense, masked)
+  if traced is not None:
+    tau = jnp.where(traced, old, tau)
+    thr = jnp.where(traced, RESIDUAL_ONLY, thr)
+  return (
+    LeafThresholds(
+      vector=_in_tree_order(thr, masked, jnp.full((n,), RESIDUAL_ONLY)),
+      leaves=_split_masked(thr, masked, n),
+      kept=None,
+    ),
+    _in_tree_order(tau, masked, taus),
   )
-  thr = [jnp.zeros((), jnp.float32)] * len(a_leaves)
-  tau = list(taus)
-  for i, tv in zip(masked, new):
-    # A dense leaf keeps its tau (0), also when min_size is traced.
-    tau[i] = tv if dense[i] is False else jnp.where(dense[i], taus[i], tv)
-    th = (scale * tv).astype(jnp.float32)
-    thr[i] = th if dense[i] is False else jnp.where(dense[i], 0.0, th)
-  return thr, tau
 
 
 def ema_threshold_mask(
@@ -744,6 +1109,9 @@ def ema_threshold_mask(
   scale: float = 1.0,
   error_feedback: bool = True,
   min_size: int = 0,
+  *,
+  seed: int = 0,
+  accumulator_format: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Keeps entries whose magnitude exceeds a slowly moving per-leaf threshold.
 
@@ -772,6 +1140,9 @@ def ema_threshold_mask(
     scale: multiplier ``c`` of the threshold, >= 0.
     error_feedback: carry the masked-out part to the next step.
     min_size: leaves smaller than this pass dense, int >= 0.
+    seed: seed of the accumulator's stochastic rounding, int >= 0.
+    accumulator_format: storage of the error-feedback accumulator, as in
+      :func:`top_k_mask`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -794,14 +1165,18 @@ def ema_threshold_mask(
   static_int("every", every, 1)
   _common.check_range("scale", scale, 0.0)
   static_int("min_size", min_size, 0)
+  static_int("seed", seed, 0)
   _common.check_bool("error_feedback", error_feedback)
+  acc_fmt = check_accumulator_format(accumulator_format)
   alpha = _common.f32(alpha)
   scale = _common.f32(scale)
 
   def init_fn(params):
     return EmaThresholdMaskState(
       count=jnp.zeros([], jnp.int32),
-      accumulator=optax.tree.zeros_like(params) if error_feedback else None,
+      accumulator=(
+        init_accumulator(params, acc_fmt) if error_feedback else None
+      ),
       thresholds=_scalars(params),
       tau=_scalars(params),
       kept_fraction=None if error_feedback else jnp.ones([], jnp.float32),
@@ -812,31 +1187,39 @@ def ema_threshold_mask(
     t = state.count
     leaves, treedef = jax.tree.flatten(updates)
     _check_leaves("ema_threshold_mask", state, updates, leaves)
-    accs = _flat_or_none(state.accumulator, treedef, len(leaves))
-    a_leaves = [
-      accumulate(g, acc, th).astype(g.dtype)
-      for g, acc, th in zip(leaves, accs, _common.unstack(state.thresholds))
-    ]
-    dense = [dense_leaf(g.size, min_size) for g in leaves]
-    thr, tau = threshold_leaf_thresholds(
-      a_leaves, dense, _common.unstack(state.tau), alpha, t, every, scale
+    accs = (
+      read_accumulator(state.accumulator, treedef)
+      if error_feedback
+      else [None] * len(leaves)
     )
-    thresholds = _common.stack(thr, like=state.thresholds)
-    thr = _common.unstack(thresholds)  # materialised (see fused.py)
-    outs, new_acc, kept = [], [], []
-    for a, th, acc in zip(a_leaves, thr, accs):
-      keep = keep_mask(a, th.astype(a.dtype))
-      out = jnp.where(keep, a, jnp.zeros_like(a))
+    dense = [dense_leaf(g.size, min_size) for g in leaves]
+    a_leaves = accumulate_leaves(leaves, accs, state.thresholds, dense)
+    stored = None
+    if error_feedback:
+      stored, a_leaves = store_accumulator(
+        a_leaves,
+        state.accumulator,
+        treedef,
+        dense,
+        acc_fmt,
+        accumulator_word(seed, t),
+      )
+    found, tau = threshold_leaf_thresholds(
+      a_leaves, dense, state.tau, alpha, t, every, scale
+    )
+    outs, kept = [], []
+    for a, th, acc in zip(a_leaves, found.leaves, accs):
+      out = a if th is None else masked_part(a, th)
       outs.append(out if acc is None else out.astype(_out_dtype(a, acc)))
       if not error_feedback:
-        kept.append(sampled_kept(a, th))
-      if acc is not None:
-        new_acc.append(a.astype(acc.dtype))
+        kept.append(
+          jnp.ones((), jnp.float32) if th is None else sampled_kept(a, th)
+        )
     return treedef.unflatten(outs), EmaThresholdMaskState(
       count=_common.safe_increment(t),
-      accumulator=treedef.unflatten(new_acc) if error_feedback else None,
-      thresholds=thresholds,
-      tau=_common.stack(tau, like=state.tau),
+      accumulator=stored,
+      thresholds=found.vector + 0 * state.thresholds,
+      tau=tau + 0 * state.tau,
       kept_fraction=(
         None
         if error_feedback

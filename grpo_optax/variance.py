@@ -8,6 +8,7 @@ it grow back. This module pins the variance estimate (bias-corrected EMAs of
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -15,6 +16,11 @@ import jax.numpy as jnp
 import optax
 
 from grpo_optax import _common
+
+__all__ = (
+  "ScaleByVarianceLrState",
+  "scale_by_variance_lr",
+)
 
 REDUCTIONS = ("element", "leaf", "global")
 
@@ -34,16 +40,57 @@ class ScaleByVarianceLrState(NamedTuple):
     return {"variance": self.variance, "lr_scale": self.lr_scale}
 
 
-def _reduce(values, sizes, reduction):
-  """Reduces a list of per-leaf arrays: element (none), leaf or global mean."""
-  if reduction == "element":
+@functools.partial(jax.jit, static_argnames=("reduction", "normalize"))
+def _moments_leaf(g, mu, nu, gv, decay, bc, *, reduction, normalize):
+  """One leaf's EMAs and its variance: ``(mu, nu, var, nu_hat)``.
+
+  ``var`` (and ``nu_hat`` when ``normalize``) per element for the
+  ``"element"`` reduction, the leaf's mean for ``"leaf"``, its sum for
+  ``"global"`` (:func:`_global` then divides the total by the tree's size);
+  ``nu_hat`` is None without ``normalize``. ``gv``: the ``grad_variance``
+  leaf, or None. Jitted, so that leaves of one shape share one trace.
+  """
+  mu_new = optax.tree.update_moment(g, mu, decay, 1)
+  nu_new = optax.tree.update_moment_per_elem_norm(g, nu, decay, 2)
+  if gv is not None:
+    var = jnp.maximum(jnp.asarray(gv, jnp.float32), 0.0)
+  else:
+    var = jnp.maximum(
+      nu_new.astype(jnp.float32) / bc
+      - jnp.square(mu_new.astype(jnp.float32) / bc),
+      0.0,
+    )
+  nu_hat = nu_new.astype(jnp.float32) / bc if normalize else None
+  if reduction != "element":
+    reduce = _common.mean32 if reduction == "leaf" else _common.sum32
+    var = reduce(var)
+    nu_hat = None if nu_hat is None else reduce(nu_hat)
+  return mu_new.astype(mu.dtype), nu_new.astype(nu.dtype), var, nu_hat
+
+
+def _global(values, sizes, reduction):
+  """The ``"global"`` mean over the tree of per-leaf sums (one sum of their
+  stack); other reductions pass through.
+  """
+  if reduction != "global":
     return values
-  if reduction == "leaf":
-    return [_common.mean32(v) for v in values]
-  total = sum(sizes)
-  s = sum((_common.sum32(v) for v in values), jnp.zeros((), jnp.float32))
-  g = s / max(total, 1)
+  g = _common.total(values) / max(sum(sizes), 1)
   return [g for _ in values]
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def _scale_leaf(g, var, denom, coef, eps, *, out_dtype):
+  """``g / (1 + coef var)`` (``var / (denom + eps)`` when ``denom`` is given)
+  in the params' dtype, and the sampled means of the variance and the scale.
+  """
+  if denom is not None:
+    var = var / (denom + eps)
+  scale = 1.0 / (1.0 + coef * var)
+  out = (g * scale).astype(jnp.promote_types(g.dtype, out_dtype))
+  return out, {
+    "var": jnp.mean(_common.strided_sample(var)),
+    "scale": jnp.mean(_common.strided_sample(scale)),
+  }
 
 
 def scale_by_variance_lr(
@@ -134,56 +181,42 @@ def scale_by_variance_lr(
     del params, extra_args
     _common.check_tree_like("scale_by_variance_lr", updates, state.mu)
     count_inc = _common.safe_increment(state.count)
-    mu = optax.tree.update_moment(updates, state.mu, decay, 1)
-    nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, decay, 2)
     bc = _common.bias_correction(decay, count_inc)
-
     g_leaves, treedef = jax.tree.flatten(updates)
-    mu_leaves = treedef.flatten_up_to(mu)
-    nu_leaves = treedef.flatten_up_to(nu)
+    gv_leaves = [None] * len(g_leaves)
     if grad_variance is not None:
       _common.check_same_structure(
         "grad_variance", grad_variance, updates, "scale_by_variance_lr"
       )
-      var = [
-        jnp.maximum(jnp.asarray(v, jnp.float32), 0.0)
-        for v in treedef.flatten_up_to(grad_variance)
-      ]
-    else:
-      var = [
-        jnp.maximum(
-          n.astype(jnp.float32) / bc - jnp.square(m.astype(jnp.float32) / bc),
-          0.0,
-        )
-        for m, n in zip(mu_leaves, nu_leaves)
-      ]
+      gv_leaves = treedef.flatten_up_to(grad_variance)
     sizes = [g.size for g in g_leaves]
-    var = _reduce(var, sizes, reduction)
-    if normalize:
-      nu_hat = [n.astype(jnp.float32) / bc for n in nu_leaves]
-      denom = _reduce(nu_hat, sizes, reduction)
-      var = [v / (d + eps) for v, d in zip(var, denom)]
-
-    scales = [1.0 / (1.0 + coef * v) for v in var]
-    # In the params' dtype as optax's moments give it (bfloat16 gradients of
-    # float32 params: float32), the gradient's promoted with the EMAs'.
-    out = [
-      (g * s).astype(jnp.promote_types(g.dtype, m.dtype))
-      for g, s, m in zip(g_leaves, scales, treedef.flatten_up_to(state.mu))
-    ]
-
-    # Diagnostics: exact for per-leaf/global rates, on a strided sample for
-    # per-element rates (no extra pass over the leaf).
-    stats = _common.SampledMoments()
-    for v, sc, n in zip(var, scales, sizes):
-      stats.add(
-        n, var=_common.strided_sample(v), scale=_common.strided_sample(sc)
+    mus, nus, var, nu_hat = [], [], [], []
+    for g, mu, nu, gv in zip(
+      g_leaves,
+      treedef.flatten_up_to(state.mu),
+      treedef.flatten_up_to(state.nu),
+      gv_leaves,
+    ):
+      m, n, v, h = _moments_leaf(
+        g, mu, nu, gv, decay, bc, reduction=reduction, normalize=normalize
       )
-
+      mus.append(m)
+      nus.append(n)
+      var.append(v)
+      nu_hat.append(h)
+    var = _global(var, sizes, reduction)
+    denom = _global(nu_hat, sizes, reduction) if normalize else nu_hat
+    out, stats = [], _common.SampledMoments()
+    for g, v, d, m in zip(
+      g_leaves, var, denom, treedef.flatten_up_to(state.mu)
+    ):
+      o, moments = _scale_leaf(g, v, d, coef, eps, out_dtype=m.dtype)
+      out.append(o)
+      stats.add(g.size, **moments)
     return treedef.unflatten(out), ScaleByVarianceLrState(
       count=count_inc,
-      mu=optax.tree.cast_like(mu, state.mu),
-      nu=optax.tree.cast_like(nu, state.nu),
+      mu=treedef.unflatten(mus),
+      nu=treedef.unflatten(nus),
       variance=stats.mean("var"),
       lr_scale=stats.mean("scale", 1.0),
     )

@@ -30,7 +30,6 @@ SLOW_FILES = frozenset(
     "test_examples.py",  # trains the examples (a few steps each)
     "test_rl_example.py",  # trains the RL example, resume bit for bit
     "test_benchmarks_smoke.py",  # runs every benchmark at a tiny size
-    "test_study.py",  # the study's greedy search on tiny tasks
   }
 )
 SLOW_TESTS = (  # shell globs of "file::test_name[params]"

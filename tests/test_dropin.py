@@ -234,3 +234,35 @@ def test_donated_step_runs(mode):
   params, state = step(params, state, _grads())
   params, state = step(params, state, _grads(1))
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+
+
+def test_adamw_mask_keyword_is_refused_naming_weight_decay_mask():
+  import inspect  # pylint: disable=g-import-not-at-top
+
+  mask = {"w": True, "b": False, "s": True}
+  # optax.adamw's keyword: here a "mask" is the gradient mask, so grpo()
+  # refuses the word and names the keyword that takes adamw's mask.
+  with pytest.raises(TypeError, match="weight_decay_mask= here") as e:
+    grpo_optax.grpo(1e-3, weight_decay=1e-4, mask=mask)
+  assert "unexpected keyword argument 'mask'" in str(e.value)
+  with pytest.raises(TypeError, match="weight_decay_mask"):
+    grpo_optax.grpo(mask=None)
+  # Any other unknown keyword keeps Python's own message.
+  with pytest.raises(TypeError, match="unexpected keyword argument 'masks'"):
+    grpo_optax.grpo(1e-3, masks=mask)
+  # The signature (read by the docs, the wiring tests and the examples'
+  # flags) is grpo's own, and the keyword it names works.
+  names = inspect.signature(grpo_optax.grpo).parameters
+  assert "mask" not in names and "weight_decay_mask" in names
+  assert names["learning_rate"].default == 1e-3
+  kw = dict(weight_decay=1e-2, sparsify=None)
+  tx = grpo_optax.grpo(1e-3, weight_decay_mask=mask, **kw)
+  plain = grpo_optax.grpo(1e-3, **kw)
+  params = _params()
+  first = jax.jit(
+    lambda t, p: t.update(_grads(), t.init(p), p)[0], static_argnums=0
+  )
+  updates, ref = first(tx, params), first(plain, params)
+  # "b" does not decay under the mask: its update differs from the unmasked.
+  assert not np.allclose(updates["b"], ref["b"])
+  np.testing.assert_allclose(updates["w"], ref["w"], rtol=1e-6)

@@ -4,8 +4,11 @@ Runs are tiny (ResNet-8 on 64 digits, a 1-layer BERT with hidden 16) because
 compilation dominates; GRPO runs double as the resume-exactness checks.
 """
 
+import contextlib
+import io
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -111,6 +114,15 @@ def test_resnet_two_steps_adam(tmp_path):
   _check_workdir(workdir, summary, "eval_accuracy")
 
 
+def _flag_error(run) -> str:
+  """What ``run`` printed to stderr when it exited with a flag error."""
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as info:
+    run()
+  assert info.value.code == 2
+  return err.getvalue()
+
+
 def _final_state(workdir, step):
   path = os.path.join(workdir, "checkpoints", str(step), "state")
   return ocp.PyTreeCheckpointer().restore(path)
@@ -144,16 +156,22 @@ def _two_steps_then_resume(
   mngr = ocp.CheckpointManager(os.path.join(cut, "checkpoints"))
   mngr.delete(2)
   mngr.close()
-  with pytest.raises(FileExistsError, match="--resume"):
-    _run(main_module, train_module, argv + ["--workdir", cut])
+  # A flag error (one line of usage, exit code 2), before any work.
+  assert "add --resume" in _flag_error(
+    lambda: _run(main_module, train_module, argv + ["--workdir", cut])
+  )
   # Extending a run would rebuild its cosine schedule for more steps: refused
   # before anything is trained, naming the flag (issue 13).
-  with pytest.raises(ValueError, match=r"--steps 2 -> 4.*new --workdir"):
-    _run(
-      main_module,
-      train_module,
-      argv + ["--workdir", cut, "--resume", "--steps", "4"],
-    )
+  assert re.search(
+    r"--steps 2 -> 4.*new --workdir",
+    _flag_error(
+      lambda: _run(
+        main_module,
+        train_module,
+        argv + ["--workdir", cut, "--resume", "--steps", "4"],
+      )
+    ),
+  )
   got = _run(main_module, train_module, argv + ["--workdir", cut, "--resume"])
   assert got["resumed_from_step"] == 1
   assert got["train_loss_history"] == want["train_loss_history"]
@@ -406,6 +424,8 @@ def test_grpo_flags_follow_the_signature():
         "10",
         "--checkpoint-every",
         "3",
+        "--workdir",
+        "never_written",  # checked at parse time only
       ],
       "--checkpoint-every must be a multiple",
     ),

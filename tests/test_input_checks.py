@@ -13,6 +13,7 @@
   gradients of float32 params gives float32 updates.
 """
 
+import inspect
 import re
 
 import jax
@@ -322,3 +323,231 @@ def test_stateful_rooms_follow_the_params_dtype(grad_dtype, param_dtype):
     go.scale_by_importance(),
   ):
     assert _update_dtype(tx, grad_dtype, param_dtype) == want
+
+
+# -- every public function, by its signature ----------------------------------
+# Each public function of grpo_optax and grpo_optax.training is called with a
+# wrong value for one argument at a time: a string or a bool where a number
+# goes, a string or a number where a bool goes, None where None is not the
+# default, a number where a choice (a string) goes, an unknown dtype. It must
+# raise TypeError or ValueError naming the argument, what it expects ("must
+# be ...") and the value, before any work. A new public function is covered
+# by its signature; one with required arguments needs an entry in REQUIRED.
+
+from grpo_optax import training  # noqa: E402  pylint: disable=g-import-not-at-top
+
+_PARAMS = {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}
+
+
+def _loss(params, batch):
+  del batch  # unused
+  return jnp.sum(params["w"] ** 2)
+
+
+def _required():
+  tx = optax.sgd(0.1)
+  mesh = jax.make_mesh((1,), ("data",))
+  stack = dict(embed_fn=_loss, layer_fn=_loss, head_fn=_loss)
+  return {
+    "importance_converged": dict(
+      opt_state=go.scale_by_importance().init(_PARAMS)
+    ),
+    "per_head": dict(entropy=jnp.ones((2, 4)), axis=0, ndim=2),
+    "data_parallel_step": dict(loss_fn=_loss, tx=tx, mesh=mesh),
+    "local_steps_step": dict(loss_fn=_loss, tx=tx, mesh=mesh, local_steps=2),
+    "hierarchical_step": dict(loss_fn=_loss, tx=tx),
+    "frozen_train_step": dict(loss_fn=_loss, tx=tx),
+    "train_step": dict(loss_fn=_loss, tx=tx),
+    "layerwise_train_step": dict(tx=tx, **stack),
+    "stacked_loss_fn": stack,
+    "init_exchange": dict(params=_PARAMS),
+    "int8_levels": dict(num_replicas=2),
+    "ring_send_bytes": dict(kind="all-reduce", size=64.0, group=2),
+    "round_traffic_per_step": dict(compiled="", local_steps=2),
+    "sparse_pmean": dict(grads=_PARAMS, residual=None, axis_name="data"),
+    "exchange_mean": dict(
+      tree=_PARAMS, residual=None, axis_name="data", num_replicas=2
+    ),
+    "outer_step": dict(
+      outer_params=_PARAMS,
+      local_params=_PARAMS,
+      outer_opt_state=optax.sgd(0.7).init(_PARAMS),
+      axis_name="data",
+      outer_tx=optax.sgd(0.7),
+    ),
+    "default_is_core": dict(path="layers/0/mlp/w"),
+  }
+
+
+def _public_functions():
+  out = {}
+  for module in (go, training):
+    for name in module.__all__:
+      obj = getattr(module, name)
+      if inspect.isfunction(obj):
+        out[f"{module.__name__}.{name}"] = obj
+  return out
+
+
+def _kind(param: inspect.Parameter) -> str | None:
+  """What an argument takes, read off its annotation and default."""
+  note, default = str(param.annotation), param.default
+  if note == "Any":
+    return None  # a tree, a rule, an array: no type to refuse here
+  if param.name.endswith("_dtype"):
+    return "dtype"
+  if param.name.endswith("_format"):
+    return "format"
+  if isinstance(default, bool) or re.fullmatch(r"bool( \| None)?", note):
+    return "bool"
+  if (
+    isinstance(default, (int, float))
+    or re.search(r"\b(float|int)\b", note)
+    and "Any" not in note
+    and "Array" not in note
+  ):
+    return "number"
+  if isinstance(default, str):
+    return "choice"
+  return None
+
+
+_BAD = {
+  "number": ["0.5", True, [1.0]],
+  "bool": ["yes", 1],
+  "choice": [1, ("dense",)],
+  "dtype": ["float8", "int32"],
+  "format": ["int4", 8],
+}
+
+
+def _bad_calls():
+  for path, fn in sorted(_public_functions().items()):
+    for param in inspect.signature(fn).parameters.values():
+      kind = _kind(param)
+      if kind is None:
+        continue
+      values = list(_BAD[kind])
+      none_ok = param.default is None or "None" in str(param.annotation)
+      if not none_ok and kind in ("number", "bool", "choice"):
+        values.append(None)  # None where it is not allowed
+      for value in values:
+        yield pytest.param(
+          path,
+          param.name,
+          value,
+          id=f"{path.split('.')[-1]}-{param.name}={value!r}",
+        )
+
+
+BAD_CALLS = list(_bad_calls())
+
+
+def test_the_signatures_cover_the_public_functions():
+  covered = {
+    path.split(".")[-1] for path, _, _ in (p.values for p in BAD_CALLS)
+  }
+  assert {
+    "grpo",
+    "top_k_mask",
+    "clip_with_l2",
+    "data_parallel_step",
+    "sparse_pmean",
+    "local_steps_step",
+    "outer_step",
+    "init_exchange",
+    "hierarchical_step",
+    "frozen_train_step",
+    "train_step",
+    "layerwise_train_step",
+    "default_outer_optimizer",
+    "int8_levels",
+    "ring_send_bytes",
+  } <= covered
+  kinds = {
+    (path.split(".")[-1], name): _kind(
+      inspect.signature(_public_functions()[path]).parameters[name]
+    )
+    for path, name, _ in (p.values for p in BAD_CALLS)
+  }
+  assert kinds[("grpo", "learning_rate")] == "number"
+  assert kinds[("grpo", "fused")] == "bool"
+  assert kinds[("data_parallel_step", "exchange")] == "choice"
+  assert kinds[("grpo", "mu_dtype")] == "dtype"
+  # Every function with required arguments has them in REQUIRED.
+  required = _required()
+  for path, fn in _public_functions().items():
+    missing = [
+      p.name
+      for p in inspect.signature(fn).parameters.values()
+      if p.default is inspect.Parameter.empty
+      and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    name = path.split(".")[-1]
+    if missing and any(
+      c[0].endswith("." + name) for c in (p.values for p in BAD_CALLS)
+    ):
+      assert set(missing) <= set(required.get(name, {})), (path, missing)
+
+
+@pytest.mark.parametrize("path, name, value", BAD_CALLS)
+def test_every_public_function_refuses_a_wrong_type(path, name, value):
+  fn = _public_functions()[path]
+  kwargs = dict(_required().get(path.split(".")[-1], {}))
+  kwargs[name] = value
+  with pytest.raises((TypeError, ValueError)) as info:
+    fn(**kwargs)
+  msg = str(info.value)
+  assert re.search(rf"(?<![\w.]){name}(?!\w)", msg), msg
+  assert repr(value) in msg or repr(value).strip("'") in msg, msg
+  assert "must" in msg, msg
+
+
+# Transforms that neither keep params-shaped state nor read the params with
+# their defaults, so that any updates tree is theirs to take (as
+# optax.clip_by_global_norm's); with l2 > 0 clip_with_l2 reads the params.
+TREE_FREE = {"clip_with_l2": go.clip_with_l2(l2=0.1)}
+
+
+def _transforms():
+  """Every public factory that builds a transform from its defaults."""
+  out = {}
+  for name in go.__all__:
+    fn = getattr(go, name)
+    required = (
+      [
+        p
+        for p in inspect.signature(fn).parameters.values()
+        if p.default is inspect.Parameter.empty
+      ]
+      if inspect.isfunction(fn)
+      else [None]
+    )
+    if not required and isinstance(fn(), optax.GradientTransformation):
+      out[name] = TREE_FREE.get(name) or fn()
+  return out
+
+
+@pytest.mark.parametrize("name", sorted(_transforms()))
+def test_every_transform_names_the_leaf_that_does_not_fit(name):
+  tx = _transforms()[name]
+  state = tx.init(PARAMS)
+  bad = {"layer": {"w": jnp.ones((3, 4)), "b": jnp.ones(4)}}
+  with pytest.raises(ValueError, match=re.escape("leaf ['layer']['w'] has")):
+    tx.update(bad, state, PARAMS)
+  renamed = {"layer": {"w": jnp.ones((4, 4)), "c": jnp.ones(4)}}
+  with pytest.raises(ValueError, match=re.escape("['layer']['c']")):
+    tx.update(renamed, state, PARAMS)
+
+
+def test_the_transforms_are_found():
+  assert {
+    "grpo",
+    "top_k_mask",
+    "ema_threshold_mask",
+    "scale_by_nesterov_adam_rms",
+    "scale_by_variance_lr",
+    "scale_by_importance",
+    "freeze_below",
+    "clip_with_l2",
+  } <= set(_transforms())

@@ -1,5 +1,7 @@
 """examples/rl_sum_to_target: the task, a few steps, flags, exact resume."""
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -109,8 +111,10 @@ def test_two_steps_and_exact_resume(tmp_path):
   mngr = ocp.CheckpointManager(os.path.join(cut, "checkpoints"))
   mngr.delete(2)
   mngr.close()
-  with pytest.raises(FileExistsError, match="--resume"):
-    _run(argv + ["--workdir", cut])
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+    _run(argv + ["--workdir", cut])  # a flag error, before any work
+  assert "add --resume" in err.getvalue()
   got = _run(argv + ["--workdir", cut, "--resume"])
   assert got["resumed_from_step"] == 1
   for key in (

@@ -1,4 +1,7 @@
-"""The study's benchmark-local variants against the library (fast)."""
+"""The study's benchmark-local variants against the library, and the
+transformers phase's decision rule on synthetic results (fast); the phase's
+smoke test (slow).
+"""
 
 import dataclasses
 
@@ -10,6 +13,7 @@ import pytest
 
 import grpo_optax
 from benchmarks import study
+from benchmarks import study_transformers as st
 
 
 def _grads(step):
@@ -142,3 +146,221 @@ def test_normalized_drops_fields_without_effect():
   assert dataclasses.replace(
     study.TODAY, adam_weight=1.0, rms_bias_correction=True
   ).normalized().changes() == {"adam_weight": 1.0}
+
+
+# ------------------------------------------- the transformers phase's rule
+
+
+def _cand(geomean, state, step):
+  return {
+    "geomean": geomean,
+    "state_bytes_per_param": state,
+    "step_ratio": step,
+  }
+
+
+def test_summarise_divides_by_the_best_baseline_per_task():
+  scores = {
+    "adam": {"a": 2.0, "b": 1.0},
+    "nadam": {"a": 1.0, "b": 2.0},
+    "adamw": {"a": None, "b": 4.0},  # diverged on a: ignored there
+    "x": {"a": 0.5, "b": 1.0},
+    "y": {"a": None, "b": 0.5},
+  }
+  s = st.summarise(scores)
+  assert s["x"]["ratios"] == {"a": 0.5, "b": 1.0}
+  assert np.isclose(s["x"]["geomean"], np.sqrt(0.5))
+  assert s["x"]["max"] == 1.0 and s["x"]["worst_task"] == "b"
+  assert s["adam"]["ratios"] == {"a": 2.0, "b": 1.0}
+  # A task without a score leaves no geometric mean (not a partial one).
+  assert s["y"]["ratios"] == {"a": None, "b": 0.5}
+  assert s["y"]["geomean"] is None and s["y"]["max"] is None
+
+
+def test_choose_takes_the_best_geomean_outside_the_tie():
+  got = st.choose(
+    {"mask": _cand(0.950, 12.0, 2.0), "dense": _cand(0.9549, 8.0, 1.3)}
+  )
+  # 0.9549 / 0.950 = 1.0052: not within 0.5%, so cost does not decide.
+  assert got["name"] == "mask" and got["tied"] == ["mask"]
+  assert got["best_geomean"] == 0.950
+
+
+def test_choose_breaks_a_tie_by_state_bytes_then_step_time():
+  got = st.choose(
+    {
+      "a": _cand(0.950, 12.0, 1.2),
+      "b": _cand(0.954, 8.0, 1.9),
+      "c": _cand(0.9545, 8.0, 1.4),  # 1.0047 x the best: tied
+      "d": _cand(0.9548, 4.0, 1.0),  # 1.0051 x the best: not tied
+    }
+  )
+  assert got["name"] == "c"
+  assert got["tied"] == ["c", "b", "a"]  # by cost, the winner first
+  assert got["eligible"] == ["a", "b", "c", "d"]
+
+
+def test_choose_compares_state_bytes_to_a_tenth_of_a_byte():
+  # 8.04 and 8.00 bytes per parameter are the same two param-sized arrays
+  # (plus scalars): the step time decides.
+  got = st.choose({"a": _cand(1.0, 8.04, 1.2), "b": _cand(1.0, 8.00, 1.3)})
+  assert got["name"] == "a"
+  got = st.choose({"a": _cand(1.0, 8.06, 1.2), "b": _cand(1.0, 8.00, 1.3)})
+  assert got["name"] == "b"
+
+
+def test_choose_excludes_candidates_without_a_score_on_every_task():
+  got = st.choose(
+    {"diverged": _cand(None, 4.0, 0.5), "ok": _cand(1.2, 12.0, 2.0)}
+  )
+  assert got["name"] == "ok" and got["eligible"] == ["ok"]
+  with pytest.raises(ValueError, match="every task"):
+    st.choose({"diverged": _cand(None, 4.0, 0.5)})
+
+
+def _fake_report(scores, costs):
+  runs = {
+    opt: {
+      t: {"best": {"mean": v}, "interior": True, "best_lr": 1e-3}
+      for t, v in per.items()
+    }
+    for opt, per in scores.items()
+  }
+  tasks = {t: {} for t in next(iter(scores.values()))}
+  return {"runs": runs, "costs": costs, "tasks": tasks}
+
+
+def test_analyse_applies_the_rule_to_measured_runs():
+  base = {"t1": 2.0, "t2": 1.0}
+  scores = {
+    "adam": base,
+    "nadam": base,
+    "adamw": base,
+    "dense": {"t1": 1.8, "t2": 1.0},
+    "topk_0.3": {"t1": 1.79, "t2": 1.0},  # 0.28% better: tied
+    "topk_0.1": {"t1": 3.0, "t2": 1.0},
+  }
+  costs = {
+    "dense": {"state_bytes_per_param": 8.0, "step_ratio": 1.3},
+    "topk_0.3": {"state_bytes_per_param": 12.0, "step_ratio": 1.8},
+    "topk_0.1": {"state_bytes_per_param": 12.0, "step_ratio": 1.8},
+  }
+  report = _fake_report(scores, costs)
+  st.analyse(report, ["dense", "topk_0.3", "topk_0.1"])
+  d = report["decision"]
+  assert d["name"] == "dense" and d["tied"] == ["dense", "topk_0.3"]
+  assert d["grpo_kwargs"] == {"sparsify": None} and d["changes_defaults"]
+  assert np.isclose(report["summary"]["dense"]["geomean"], np.sqrt(0.9))
+  # Without the dense candidate today's defaults win and stay.
+  report = _fake_report(scores, costs)
+  st.analyse(report, ["topk_0.3", "topk_0.1"])
+  assert report["decision"]["name"] == "topk_0.3"
+  assert not report["decision"]["changes_defaults"]
+  assert "stay" in "\n".join(st.decision_text(report))
+
+
+def test_candidates_are_distinct_grpo_configurations():
+  assert st.CANDIDATES["topk_0.3"][0] == {}  # today's defaults
+  seen = set()
+  params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(32)}
+  for name, (kwargs, _) in st.CANDIDATES.items():
+    key = tuple(sorted(kwargs.items()))
+    assert key not in seen, name
+    seen.add(key)
+    jax.eval_shape(grpo_optax.grpo(1e-3, **kwargs).init, params)
+  assert not set(st.CANDIDATES) & set(st.BASELINES)
+
+
+def test_state_bytes_counts_every_state_array():
+  params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(32)}
+  n = 64 * 32 + 32
+  # Adam: mu and nu (4 bytes each) and an int32 count.
+  assert st.state_bytes(optax.adam(1e-3), params) == 8 * n + 4
+  dense = st.state_bytes(grpo_optax.grpo(1e-3, sparsify=None), params)
+  masked = st.state_bytes(grpo_optax.grpo(1e-3, min_size=0), params)
+  # The mask's error-feedback buffer: one more param-sized array (and the
+  # sampled top-k's key and counters).
+  assert 8 * n <= dense < 8 * n + 64
+  assert masked >= dense + 4 * n
+
+
+@pytest.mark.slow
+def test_transformers_phase_writes_results_and_resumes(tmp_path, monkeypatch):
+  import json  # pylint: disable=g-import-not-at-top
+
+  from benchmarks import transformer_tasks  # pylint: disable=g-import-not-at-top
+
+  tiny = lambda: transformer_tasks.gpt(
+    1, width=16, heads=2, mlp=32, context=8, batch_size=4, max_eval=8
+  )
+  monkeypatch.setitem(st.TASKS, "gpt_tiny", tiny)
+  out = tmp_path / "results"
+  argv = [
+    "--phase",
+    "transformers",
+    "--tasks",
+    "gpt_tiny,linreg",
+    "--candidates",
+    "dense,topk_0.3",
+    "--steps",
+    "3",
+    "--seeds",
+    "1",
+    "--cost-blocks",
+    "1",
+    "--cost-width",
+    "16",
+    "--cost-vocab",
+    "32",
+    "--cost-rounds",
+    "1",
+    "--cost-iters",
+    "1",
+    "--out",
+    str(out),
+  ]
+  report = study.main(argv)
+  data = json.loads((out / "defaults_transformers.json").read_text())
+  assert data["meta"]["command"].startswith(
+    "python -m benchmarks.study --phase transformers --tasks gpt_tiny"
+  )
+  assert data["meta"]["command"].endswith("--out results")
+  opts = ["adam", "nadam", "adamw", "dense", "topk_0.3"]
+  assert list(data["summary"]) == opts
+  assert data["tasks"]["gpt_tiny"]["metric"] == "held-out loss"
+  assert data["tasks"]["linreg"]["metric"] == "training loss"
+  assert data["tasks"]["linreg"]["lrs"] == list(st.SUITE_LRS["linreg"])
+  for opt in opts:
+    gpt = data["runs"][opt]["gpt_tiny"]
+    assert gpt["metric"] == "heldout/loss" and len(gpt["lrs"]) == 4
+    # The score is the held-out loss after the last step at the best lr.
+    assert gpt["best"]["mean"] == min(
+      s["mean"] for s in gpt["final_by_lr"] if s["mean"] is not None
+    )
+    assert np.isclose(
+      gpt["best"]["mean"], gpt["heldout"]["loss"]["final"]["mean"]
+    )
+    assert data["runs"][opt]["linreg"]["metric"] == "train"
+  costs = data["costs"]
+  assert costs["adam"]["state_bytes_per_param"] == pytest.approx(8.0, 1e-2)
+  assert costs["topk_0.3"]["state_bytes_per_param"] > 11.5
+  assert all(
+    c["step_ratio"] > 0 and c["compile_ratio"] > 0 for c in costs.values()
+  )
+  assert report["decision"]["name"] in ("dense", "topk_0.3")
+  md = (out / "defaults_transformers.md").read_text()
+  assert "## Decision" in md and "| **geomean** |" in md
+  png = (out / "defaults_transformers.png").read_bytes()
+  assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+  # --resume measures nothing again when the settings match.
+  def refuse(*args, **kwargs):
+    raise AssertionError("ran again")
+
+  monkeypatch.setattr(st.convergence, "sweep_task", refuse)
+  monkeypatch.setattr(
+    st, "measure_costs", lambda makers, *a, **k: {} if not makers else refuse()
+  )
+  again = study.main(argv + ["--resume"])
+  assert again["runs"] == report["runs"]
+  assert again["decision"] == report["decision"]

@@ -40,3 +40,26 @@ def test_report_reader_picks_the_slow_cases(tmp_path):
     'name="test_y" time="0.3"/></testsuite></testsuites>'
   )
   assert slow_tests.slow_in_report(str(report), 4.0) == {"test_a.py::test_x[1]"}
+
+
+# Hooks that run in an xdist worker after it has reported "finished" (its
+# terminal summary and unconfigure): execnet sends the worker a SIGINT when
+# they take more than 5 s, and the KeyboardInterrupt, raised inside whatever
+# finalizer the worker runs then, ends a passing run with
+# PytestUnraisableExceptionWarning tracebacks. Only pytest's own plugins and
+# xdist's may run there (the hypothesis plugin imported its whole package).
+LATE_HOOKS = ("pytest_terminal_summary", "pytest_unconfigure")
+LATE_OK = ("_pytest.", "xdist.", "pluggy.")
+
+
+def test_no_third_party_plugin_runs_after_a_worker_finished(pytestconfig):
+  manager = pytestconfig.pluginmanager
+  assert manager.is_blocked("hypothesispytest")
+  late = {
+    f"{hook}: {impl.plugin_name} ({getattr(impl.plugin, '__name__', '')})"
+    for hook in LATE_HOOKS
+    for impl in getattr(manager.hook, hook).get_hookimpls()
+    if not getattr(impl.plugin, "__name__", "").startswith(LATE_OK)
+    and not type(impl.plugin).__module__.startswith(LATE_OK)
+  }
+  assert not late, sorted(late)

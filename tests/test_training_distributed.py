@@ -550,7 +550,7 @@ def test_ring_traffic_of_a_compiled_all_reduce_over_one_axis_of_a_2x4_mesh():
     ({"exchange": "sparse"}, ValueError, "`exchange` must be one of"),
     ({"fraction": 0.0}, ValueError, r"`fraction` must be a float in \(0, 1\]"),
     ({"fraction": 1.5}, ValueError, r"`fraction` must be a float in \(0, 1\]"),
-    ({"fraction": "x"}, ValueError, "`fraction`"),
+    ({"fraction": "x"}, TypeError, "`fraction` must be a float in"),
     ({"axis": "batch"}, ValueError, "`axis` must be one of the mesh's axes"),
     ({"dense_axis": "data"}, ValueError, "`dense_axis`"),
     ({"chunk_size": 0}, ValueError, "`chunk_size` must be an int >= 1"),

@@ -12,15 +12,15 @@ import argparse
 import os
 
 from examples.common import flags
+from examples.common import optim
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  """Parses and checks the flags (``argv=None`` reads ``sys.argv``)."""
-  parser = argparse.ArgumentParser(
+def make_parser() -> flags.ArgumentParser:
+  """The flags of the example (``--help``)."""
+  parser = flags.ArgumentParser(
     prog="python -m examples.bert_mlm",
     description="Masked-LM training of a small BERT with Flax NNX and the "
     "GRPO optax chain.",
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   data = parser.add_argument_group("data")
   data.add_argument(
@@ -61,13 +61,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     default=None,
     help="Evaluate on the first N held-out sequences only.",
   )
-  data.add_argument("--eval-batch-size", type=int, default=64)
+  data.add_argument(
+    "--eval-batch-size",
+    type=int,
+    default=64,
+    help="Batch size of the held-out evaluation.",
+  )
   model = parser.add_argument_group("model")
-  model.add_argument("--hidden", type=int, default=128)
-  model.add_argument("--num-layers", type=int, default=2)
-  model.add_argument("--num-heads", type=int, default=2)
-  model.add_argument("--ffn", type=int, default=512)
-  model.add_argument("--dropout", type=float, default=0.0)
+  model.add_argument(
+    "--hidden",
+    type=int,
+    default=128,
+    help="Width of the model (embedding and attention).",
+  )
+  model.add_argument(
+    "--num-layers",
+    type=int,
+    default=2,
+    help="Transformer layers.",
+  )
+  model.add_argument(
+    "--num-heads",
+    type=int,
+    default=2,
+    help="Attention heads per layer (must divide --hidden).",
+  )
+  model.add_argument(
+    "--ffn",
+    type=int,
+    default=512,
+    help="Width of each layer's feed-forward block.",
+  )
+  model.add_argument(
+    "--dropout",
+    type=float,
+    default=0.0,
+    help="Dropout rate in [0, 1).",
+  )
   model.add_argument(
     "--head-entropy",
     action=argparse.BooleanOptionalAction,
@@ -77,8 +107,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     "entropies to the optimizer (head_entropy=...).",
   )
   flags.add_training_flags(parser, steps=600, batch_size=32, eval_every=200)
+  return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  """Parses and checks the flags (``argv=None`` reads ``sys.argv``)."""
+  parser = make_parser()
   args = parser.parse_args(argv)
   flags.check_common_args(parser, args)
+  flags.refuse_unless(
+    parser,
+    "--head-entropy",
+    args.optimizer == "grpo" and bool(optim.grpo_knob(args, "importance")),
+    "--optimizer grpo with importance weighting (--grpo-importance true)",
+  )
   for path in args.text_files or ():
     if not os.path.isfile(path):
       parser.error(f"--text-files: no such file: {path}")
@@ -116,4 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
   """Parses flags, trains, evaluates; returns the metrics dict."""
   from examples.bert_mlm import train  # pylint: disable=g-import-not-at-top
 
-  return train.train_and_evaluate(parse_args(argv))
+  args = parse_args(argv)
+  summary = train.train_and_evaluate(args)
+  flags.print_outputs(args)
+  return summary

@@ -289,6 +289,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   )
   num_train = len(data.train)
 
+  flags.announce_compile(quiet)
   bar = tqdm.tqdm(
     range(start_step, args.steps),
     initial=start_step,

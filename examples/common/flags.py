@@ -1,12 +1,30 @@
-"""Command-line flags common to the examples (training loop and optimizer)."""
+"""Command-line flags common to the examples (training loop and optimizer).
+
+Every example parses with :class:`ArgumentParser`: ``--help`` shows each
+flag's default once, a bad flag prints one line of usage and the error (exit
+code 2), and a flag that would be ignored in the combination given is refused
+the same way, as is a ``--resume`` whose flags differ from the run's.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
 import grpo_optax
+from examples.common import cli
 from examples.common import optim
 from examples.common import parallel
+from examples.common import processes
+from examples.common import workdir as workdir_lib
+
+# The parser, its help format and the flag checks live in the light
+# examples.common.cli (argparse only), which logistic_regression uses too.
+ArgumentParser = cli.ArgumentParser
+HelpFormatter = cli.HelpFormatter
+refuse_unless = cli.refuse_unless
+announce_compile = cli.announce_compile
 
 
 def add_training_flags(
@@ -102,7 +120,16 @@ def check_common_args(
     parser.error(
       f"--checkpoint-every must be >= 0, got {args.checkpoint_every}"
     )
+  if args.checkpoint_every and not args.workdir:
+    parser.error(
+      "--checkpoint-every needs --workdir (where the checkpoints go); "
+      "as given it would be ignored"
+    )
+  refuse_unless(
+    parser, "--weight-decay", args.optimizer == "adamw", "--optimizer adamw"
+  )
   if hasattr(args, "data_parallel"):
+    # Refuses the data-parallel flags the configuration would ignore too.
     parallel.check_parallel_args(parser, args)
   overrides = optim.grpo_overrides(args)
   if overrides and args.optimizer != "grpo":
@@ -116,3 +143,38 @@ def check_common_args(
       grpo_optax.grpo(1e-3, **{"seed": args.seed, **overrides})
     except (TypeError, ValueError) as e:
       parser.error(f"invalid --grpo-* flags: {e}")
+  check_workdir(parser, args)
+
+
+def check_workdir(parser: argparse.ArgumentParser, args: argparse.Namespace):
+  """The ``--workdir`` and ``--resume`` checks of the run, as flag errors.
+
+  A workdir that holds checkpoints needs ``--resume``; resuming needs the
+  flags the run was started with (``config.json``), except those of
+  :data:`examples.common.workdir.RESUMABLE_FLAGS`. Checked when the flags
+  are parsed, before any work (``Workdir`` checks the same again).
+  """
+  if not args.workdir:
+    return
+  steps = workdir_lib.saved_steps(args.workdir)
+  if steps and not args.resume:
+    parser.error(
+      f"--workdir {args.workdir} already holds checkpoints (up to step "
+      f"{max(steps)}): add --resume to continue that run, or choose another "
+      "--workdir"
+    )
+  config = os.path.join(args.workdir, workdir_lib.CONFIG_FILE)
+  if args.resume and steps and os.path.exists(config):
+    with open(config, encoding="utf-8") as f:
+      saved = json.load(f)
+    try:
+      workdir_lib.check_resume_config(saved, vars(args), args.workdir)
+    except ValueError as e:
+      parser.error(str(e))
+
+
+def print_outputs(args: argparse.Namespace) -> None:
+  """The last line of a run: the output folder and what it holds."""
+  if args.quiet or not processes.is_primary():
+    return
+  print(workdir_lib.describe_outputs(args.workdir), flush=True)

@@ -20,6 +20,9 @@ _grpo_metrics = (
   jax.jit(grpo_optax.metrics) if hasattr(grpo_optax, "metrics") else None
 )
 
+#: The folder of a run's workdir that holds its TensorBoard events.
+EVENTS_DIR = "tensorboard"
+
 
 def optimizer_diagnostics(optimizer: nnx.Optimizer) -> dict[str, np.ndarray]:
   """``grpo_optax.metrics`` of the optimizer state, as NumPy arrays.
@@ -54,7 +57,7 @@ class MetricsWriter:
     if workdir:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
 
-      self._writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      self._writer = SummaryWriter(os.path.join(workdir, EVENTS_DIR))
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     if self._writer is None:

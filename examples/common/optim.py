@@ -38,9 +38,11 @@ def _parse_bool(text: str) -> bool:
 
 
 def _parse_any(text: str) -> Any:
-  """Parses 'none', an int, a float, or else keeps the string."""
+  """Parses 'none', a boolean, an int, a float, or else keeps the string."""
   if text.lower() == "none":
     return None
+  if text.lower() in ("true", "false"):
+    return text.lower() == "true"
   for cast in (int, float):
     try:
       return cast(text)

@@ -1,14 +1,15 @@
 """Data-parallel flags and wiring of the examples (``--data-parallel``).
 
-The training step is the library's runtime, :func:`grpo_optax.training.
-data_parallel`: BatchNorm statistics, metrics, a PRNG key per replica, the
-exchange and local steps (``--local-steps H``, DiLoCo) live there. This
-module turns flags into it: ``--exchange`` takes the registry's names, and
-one ``--exchange-<option>`` flag exists per option the compressors declare
-(:func:`grpo_optax.training.compressors.options`), plus the sparsity
-warm-up. One replica per device of a 1-D mesh over every device of every
-process (:mod:`examples.common.processes` joins them first). Checkpoints hold
-the runtime's whole state (``Workdir.save_state``).
+The training step is the library's runtime,
+:func:`grpo_optax.training.data_parallel`: BatchNorm statistics, metrics, a
+PRNG key per replica, the exchange and local steps (``--local-steps H``,
+DiLoCo) live there. This module turns flags into it: ``--exchange`` takes the
+registry's names, and one ``--exchange-<option>`` flag exists per option the
+compressors declare (:func:`grpo_optax.training.compressors.options`), plus
+the sparsity warm-up. One replica per device of a 1-D mesh over every device
+of every process (:mod:`examples.common.processes` joins them first).
+Checkpoints hold the runtime's whole state (``Workdir.save_state``). A flag
+the configuration would ignore is a one-line flag error (``cli``).
 """
 
 from __future__ import annotations
@@ -19,16 +20,17 @@ from typing import Any
 import jax
 from flax import nnx
 
+from examples.common import cli
 from examples.common import processes
 from grpo_optax import training
 from grpo_optax.training import compressors
-from grpo_optax.training.local_steps import INT8_OUTER
 
 AXIS = "data"
 #: The exchange's own options given a flag, beside the compressors'.
 PIPELINE_FLAGS = ("warmup_steps",)
 #: The other flags: name -> argparse keywords.
 _FLAGS = {
+  "--data-parallel": dict(action="store_true", help="Train over all devices."),
   "--local-steps": dict(
     type=int,
     default=0,
@@ -62,7 +64,6 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     "exchange gradients; e.g. XLA_FLAGS="
     "--xla_force_host_platform_device_count=8 on CPU.",
   )
-  group.add_argument("--data-parallel", action="store_true")
   group.add_argument(
     "--exchange",
     choices=compressors.NAMES,
@@ -101,12 +102,10 @@ def check_parallel_args(
 ) -> None:
   """Rejects inconsistent flags with ``parser.error``, naming the flag."""
   given = given_options(args)
-  if not args.data_parallel:
-    named = ["--exchange"] if args.exchange else []
-    for flag in named + [_flag(n) for n in given]:
-      parser.error(f"{flag} needs --data-parallel")
-    if args.local_steps:
-      parser.error("--local-steps needs --data-parallel")
+  for flag in ["--exchange", "--local-steps", *(_flag(n) for n in given)]:
+    cli.refuse_unless(parser, flag, args.data_parallel, "--data-parallel")
+  for flag in ("--outer-lr", "--outer-momentum", "--outer-quantize"):
+    cli.refuse_unless(parser, flag, args.local_steps > 0, "--local-steps")
   args.exchange = args.exchange or "dense"
   for error in processes.errors(args) + _local_step_errors(args):
     parser.error(error)
@@ -136,8 +135,7 @@ def _local_step_errors(args: argparse.Namespace) -> list[str]:
   if h < 0:
     return [f"--local-steps must be >= 0, got {h}"]
   if not h:
-    bad = args.outer_quantize != "none"
-    return ["--outer-quantize needs --local-steps"] if bad else []
+    return []
   errors = []
   if not args.outer_lr > 0:
     errors.append(f"--outer-lr must be > 0, got {args.outer_lr}")
@@ -145,7 +143,8 @@ def _local_step_errors(args: argparse.Namespace) -> list[str]:
     errors.append(
       f"--outer-momentum must be in [0, 1), got {args.outer_momentum}"
     )
-  if args.outer_quantize == "int8" and args.exchange not in INT8_OUTER:
+  int8 = args.outer_quantize == "int8"
+  if int8 and args.exchange not in training.INT8_OUTER:
     errors.append(
       "--outer-quantize int8 needs --exchange dense or shared_support"
     )

@@ -29,15 +29,28 @@ def add_flags(group: Any) -> None:
   group.add_argument(
     "--coordinator-address", default=None, help="host:port of process 0."
   )
-  group.add_argument("--num-processes", type=int, default=1)
-  group.add_argument("--process-id", type=int, default=0)
+  group.add_argument(
+    "--num-processes",
+    type=int,
+    default=1,
+    help="Processes of a multi-process run (each runs this command).",
+  )
+  group.add_argument(
+    "--process-id",
+    type=int,
+    default=0,
+    help="This process's index in [0, --num-processes).",
+  )
 
 
 def errors(args: argparse.Namespace) -> list[str]:
   """What is wrong with the process flags (empty: nothing)."""
   n, i = args.num_processes, args.process_id
   if not args.data_parallel and (n != 1 or args.distributed != "flags"):
-    return ["--num-processes and --distributed need --data-parallel"]
+    return [
+      "--num-processes and --distributed need --data-parallel; as given "
+      "they would be ignored"
+    ]
   if n < 1:
     return [f"--num-processes must be >= 1, got {n}"]
   if not 0 <= i < n:

@@ -75,6 +75,52 @@ def check_resume_config(
 
 
 PANELS_FILE = "curves.png"
+CHECKPOINTS = "checkpoints"
+
+
+def saved_steps(path: str) -> list[int]:
+  """The steps of the checkpoints in ``path/checkpoints`` (orbax's step
+  folders; none when the folder is missing).
+  """
+  folder = os.path.join(path, CHECKPOINTS)
+  if not os.path.isdir(folder):
+    return []
+  return sorted(
+    int(name)
+    for name in os.listdir(folder)
+    if name.isdigit() and os.path.isdir(os.path.join(folder, name))
+  )
+
+
+def describe_outputs(path: str | None) -> str:
+  """One line naming the output folder of a run and the files in it.
+
+  Args:
+    path: the ``--workdir`` (None: nothing was written).
+
+  Returns:
+    e.g. "outputs in runs/a: metrics.json, config.json, loss_curves.png,
+    tensorboard/ (TensorBoard events), checkpoints/ (steps 50, 100)".
+  """
+  if not path:
+    return (
+      "no files written (add --workdir DIR for metrics.json, TensorBoard "
+      "events, checkpoints and a plot of the loss)"
+    )
+  names = sorted(os.listdir(path)) if os.path.isdir(path) else []
+  order = [METRICS_FILE, CONFIG_FILE, PLOT_FILE, PANELS_FILE]
+  shown = [n for n in order if n in names]
+  if metrics_lib.EVENTS_DIR in names:
+    shown.append(f"{metrics_lib.EVENTS_DIR}/ (TensorBoard events)")
+  steps = saved_steps(path)
+  if steps:
+    shown.append(
+      f"{CHECKPOINTS}/ (step{'s' if len(steps) > 1 else ''} "
+      f"{', '.join(map(str, steps))})"
+    )
+  known = set(order) | {CHECKPOINTS, metrics_lib.EVENTS_DIR}
+  shown += [n for n in names if n not in known]
+  return f"outputs in {path}: {', '.join(shown) or 'nothing yet'}"
 
 
 def new_history() -> dict[str, list]:
@@ -106,7 +152,7 @@ class Workdir:
     if path:
       os.makedirs(path, exist_ok=True)
       self._checkpointer = checkpointing.Checkpointer(
-        os.path.join(path, "checkpoints")
+        os.path.join(path, CHECKPOINTS)
       )
       latest = self._checkpointer.latest_step()
       if latest is not None and not resume:

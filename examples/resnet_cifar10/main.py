@@ -13,12 +13,11 @@ from examples.resnet_cifar10 import input_pipeline
 from examples.resnet_cifar10 import models
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  """Parses and checks the flags (``argv=None`` reads ``sys.argv``)."""
-  parser = argparse.ArgumentParser(
+def make_parser() -> flags.ArgumentParser:
+  """The flags of the example (``--help``)."""
+  parser = flags.ArgumentParser(
     prog="python -m examples.resnet_cifar10",
     description="Train a ResNet with Flax NNX and the GRPO optax chain.",
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   data = parser.add_argument_group("data and model")
   data.add_argument(
@@ -64,7 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     default=None,
     help="Evaluate on the first N held-out examples only.",
   )
-  data.add_argument("--eval-batch-size", type=int, default=512)
+  data.add_argument(
+    "--eval-batch-size",
+    type=int,
+    default=512,
+    help="Batch size of the held-out evaluation.",
+  )
   data.add_argument(
     "--depth",
     type=int,
@@ -73,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     help="ResNet-8/20/32 (CIFAR, 16-64 channels) or ResNet-18.",
   )
   flags.add_training_flags(parser, steps=300, batch_size=64, eval_every=50)
+  return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  """Parses and checks the flags (``argv=None`` reads ``sys.argv``)."""
+  parser = make_parser()
   args = parser.parse_args(argv)
   flags.check_common_args(parser, args)
   if args.dataset == "cifar10" and not args.data_dir:
@@ -86,6 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       parser.error(str(e))
   if args.download and args.dataset != "cifar10":
     parser.error("--download only applies to --dataset cifar10")
+  flags.refuse_unless(
+    parser, "--data-dir", args.dataset == "cifar10", "--dataset cifar10"
+  )
+  flags.refuse_unless(
+    parser, "--image-size", args.dataset == "digits", "--dataset digits"
+  )
   if args.image_size < 8 or args.image_size % 8:
     parser.error(f"--image-size must be a multiple of 8, got {args.image_size}")
   for name in ("max_train_examples", "max_eval_examples"):
@@ -101,4 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
   """Parses flags, trains, evaluates; returns the metrics dict."""
   from examples.resnet_cifar10 import train  # pylint: disable=g-import-not-at-top
 
-  return train.train_and_evaluate(parse_args(argv))
+  args = parse_args(argv)
+  summary = train.train_and_evaluate(args)
+  flags.print_outputs(args)
+  return summary

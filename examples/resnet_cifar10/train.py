@@ -190,6 +190,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   eval_step = make_eval_step(graphdef, compiler_options=options)
   num_train = len(dataset.train_labels)
 
+  flags.announce_compile(quiet)
   bar = tqdm.tqdm(
     range(start_step, args.steps),
     initial=start_step,

@@ -22,13 +22,12 @@ from grpo_optax import rl
 DYNAMIC_SAMPLING = ("off", "drop", "refill")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  """Parses and checks the flags (``argv=None`` reads ``sys.argv``)."""
-  parser = argparse.ArgumentParser(
+def make_parser() -> flags.ArgumentParser:
+  """The flags of the example (``--help``)."""
+  parser = flags.ArgumentParser(
     prog="python -m examples.rl_arithmetic",
     description="RL fine-tuning with grpo_optax.rl (group relative policy "
     "optimisation): multi-digit addition, exact-answer reward.",
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   task = parser.add_argument_group("task and RL")
   task.add_argument(
@@ -111,7 +110,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     default=2000,
     help="Fixed training problems the warm start sees.",
   )
-  task.add_argument("--warm-start-lr", type=float, default=3e-3)
+  task.add_argument(
+    "--warm-start-lr",
+    type=float,
+    default=3e-3,
+    help="Learning rate of the supervised warm start (Adam).",
+  )
   task.add_argument(
     "--eval-problems",
     type=int,
@@ -119,10 +123,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     help="Held-out problems per evaluation.",
   )
   model = parser.add_argument_group("model")
-  model.add_argument("--hidden", type=int, default=64)
-  model.add_argument("--num-layers", type=int, default=2)
-  model.add_argument("--num-heads", type=int, default=4)
-  model.add_argument("--ffn", type=int, default=256)
+  model.add_argument(
+    "--hidden",
+    type=int,
+    default=64,
+    help="Width of the model (embedding and attention).",
+  )
+  model.add_argument(
+    "--num-layers",
+    type=int,
+    default=2,
+    help="Transformer layers.",
+  )
+  model.add_argument(
+    "--num-heads",
+    type=int,
+    default=4,
+    help="Attention heads per layer (must divide --hidden).",
+  )
+  model.add_argument(
+    "--ffn",
+    type=int,
+    default=256,
+    help="Width of each layer's feed-forward block.",
+  )
   flags.add_training_flags(
     parser,
     steps=300,
@@ -131,6 +155,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data_parallel=False,
     default_optimizer="adam",
   )
+  return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  """Parses and checks the flags (``argv=None`` reads ``sys.argv``)."""
+  parser = make_parser()
   args = parser.parse_args(argv)
   flags.check_common_args(parser, args)
   for name in (
@@ -148,6 +178,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       parser.error(
         f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
       )
+  flags.refuse_unless(
+    parser,
+    "--oversample",
+    args.dynamic_sampling == "refill",
+    "--dynamic-sampling refill",
+  )
+  for flag in ("--warm-start-lr", "--warm-start-problems"):
+    flags.refuse_unless(
+      parser, flag, args.warm_start_steps > 0, "--warm-start-steps > 0"
+    )
   if args.warm_start_steps < 0:
     parser.error(
       f"--warm-start-steps must be >= 0, got {args.warm_start_steps}"
@@ -190,4 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
   """Parses flags, trains, evaluates; returns the metrics dict."""
   from examples.rl_arithmetic import train  # pylint: disable=g-import-not-at-top
 
-  return train.train_and_evaluate(parse_args(argv))
+  args = parse_args(argv)
+  summary = train.train_and_evaluate(args)
+  flags.print_outputs(args)
+  return summary

@@ -275,6 +275,8 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   )
   init_key, _ = data_lib.init_and_step_keys(args.seed)
   model = decoder.Decoder(policy_config, rngs=nnx.Rngs(init_key))
+  if args.warm_start_steps:
+    flags.announce_compile(args.quiet, "the warm start's supervised step")
   warm_curve = warm_start(model, args)  # Deterministic: rerun on resume.
   warm_time = time.time() - start_time
   ref_params = jax.tree.map(jnp.copy, nnx.state(model))
@@ -301,6 +303,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
   evaluate = make_eval_step(
     model_graphdef, args=args, config=config, truncation=truncation
   )
+  flags.announce_compile(args.quiet)
   bar = tqdm.tqdm(
     range(start_step, args.steps),
     initial=start_step,

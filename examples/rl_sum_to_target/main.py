@@ -22,13 +22,12 @@ from examples.common import flags
 from grpo_optax import rl
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  """Parses and checks the flags (``argv=None`` reads ``sys.argv``)."""
-  parser = argparse.ArgumentParser(
+def make_parser() -> flags.ArgumentParser:
+  """The flags of the example (``--help``)."""
+  parser = flags.ArgumentParser(
     prog="python -m examples.rl_sum_to_target",
     description="RL fine-tuning with grpo_optax.rl (group relative policy "
     "optimisation): 3 digits that sum to a target.",
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   task = parser.add_argument_group("RL")
   task.add_argument(
@@ -82,10 +81,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     help="Sampled completions per target at evaluation.",
   )
   model = parser.add_argument_group("model")
-  model.add_argument("--hidden", type=int, default=64)
-  model.add_argument("--num-layers", type=int, default=2)
-  model.add_argument("--num-heads", type=int, default=4)
-  model.add_argument("--ffn", type=int, default=128)
+  model.add_argument(
+    "--hidden",
+    type=int,
+    default=64,
+    help="Width of the model (embedding and attention).",
+  )
+  model.add_argument(
+    "--num-layers",
+    type=int,
+    default=2,
+    help="Transformer layers.",
+  )
+  model.add_argument(
+    "--num-heads",
+    type=int,
+    default=4,
+    help="Attention heads per layer (must divide --hidden).",
+  )
+  model.add_argument(
+    "--ffn",
+    type=int,
+    default=128,
+    help="Width of each layer's feed-forward block.",
+  )
   model.add_argument(
     "--value-embedding",
     action=argparse.BooleanOptionalAction,
@@ -101,6 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data_parallel=False,
     default_optimizer="adam",
   )
+  return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  """Parses and checks the flags (``argv=None`` reads ``sys.argv``)."""
+  parser = make_parser()
   args = parser.parse_args(argv)
   flags.check_common_args(parser, args)
   positive = (
@@ -148,4 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
   """Parses flags, trains, evaluates; returns the metrics dict."""
   from examples.rl_sum_to_target import train  # pylint: disable=g-import-not-at-top
 
-  return train.train_and_evaluate(parse_args(argv))
+  args = parse_args(argv)
+  summary = train.train_and_evaluate(args)
+  flags.print_outputs(args)
+  return summary

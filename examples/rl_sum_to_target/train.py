@@ -256,6 +256,7 @@ def train_and_evaluate(args: argparse.Namespace) -> dict[str, Any]:
         f"{models.NUM_TARGETS} targets"
       )
 
+  flags.announce_compile(args.quiet)
   bar = tqdm.tqdm(
     range(start_step, args.steps),
     initial=start_step,

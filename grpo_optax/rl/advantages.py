@@ -38,6 +38,11 @@ import jax.numpy as jnp
 from grpo_optax import _common
 from grpo_optax.rl.config import ADVANTAGE_ESTIMATORS
 
+__all__ = (
+  "group_advantages",
+  "zero_signal_groups",
+)
+
 
 def _as_rewards(rewards: jax.Array) -> jax.Array:
   rewards = jnp.asarray(rewards)

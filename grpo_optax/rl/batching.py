@@ -43,6 +43,14 @@ import jax.numpy as jnp
 
 from grpo_optax.rl.advantages import zero_signal_groups
 
+__all__ = (
+  "LossNormalizer",
+  "drop_zero_signal",
+  "group_rows",
+  "loss_normalizer",
+  "select_groups",
+)
+
 
 class LossNormalizer(NamedTuple):
   """The denominators of :func:`~grpo_optax.rl.aggregate`, for a whole batch.

@@ -24,15 +24,34 @@ import dataclasses
 import math
 from typing import Any
 
+__all__ = (
+  "ADVANTAGE_ESTIMATORS",
+  "AGGREGATIONS",
+  "Config",
+  "KL_ESTIMATORS",
+  "PRESETS",
+  "RATIO_LEVELS",
+)
+
+#: The ``estimator`` choices of :func:`~grpo_optax.rl.group_advantages` (and
+#: ``Config.advantage_estimator``): group std (GRPO), batch std, none
+#: (Dr. GRPO) and leave-one-out (RLOO).
 ADVANTAGE_ESTIMATORS = ("group_std", "batch_std", "none", "rloo")
+#: The ``mode`` choices of :func:`~grpo_optax.rl.aggregate` (and
+#: ``Config.aggregation``): how per-token losses become one number.
 AGGREGATIONS = (
   "seq-mean-token-mean",
   "token-mean",
   "seq-mean-token-sum-norm",
   "seq-mean-token-sum",
 )
+#: The ``estimator`` choices of :func:`~grpo_optax.rl.kl_penalty` (and
+#: ``Config.kl_estimator``): Schulman's k1, k2, k3.
 KL_ESTIMATORS = ("k1", "k2", "k3")
+#: Where the importance ratio is taken (``Config.ratio_level``): per token
+#: (GRPO, DAPO) or per sequence (GSPO).
 RATIO_LEVELS = ("token", "sequence")
+#: The names :meth:`Config.preset` (and ``policy_loss(config=...)``) accept.
 PRESETS = ("grpo", "dapo", "dr_grpo", "gspo")
 
 _PRESET_OVERRIDES: dict[str, dict[str, Any]] = {

@@ -30,6 +30,15 @@ from grpo_optax.rl.config import Config
 from grpo_optax.rl.truncation import Truncation
 from grpo_optax.rl.truncation import truncated_logits
 
+__all__ = (
+  "aggregate",
+  "completion_mask",
+  "kl_penalty",
+  "policy_loss",
+  "token_entropy",
+  "token_log_probs",
+)
+
 
 def _float32(x: jax.Array) -> jax.Array:
   """Promotes low-precision floats to float32 (keeps float64)."""

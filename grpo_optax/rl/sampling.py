@@ -57,6 +57,12 @@ from grpo_optax import _common
 from grpo_optax.rl import losses
 from grpo_optax.rl import truncation as truncation_lib
 
+__all__ = (
+  "Samples",
+  "sample",
+  "sampling_key",
+)
+
 
 class Samples(NamedTuple):
   """Output of :func:`sample` (``B`` rows, ``P`` prompt and ``N`` new tokens)."""

@@ -42,6 +42,11 @@ import math
 import jax
 import jax.numpy as jnp
 
+__all__ = (
+  "Truncation",
+  "truncated_logits",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Truncation:

@@ -14,8 +14,9 @@ and memory are spent. The steps here change the program itself:
   (BatchNorm statistics), auxiliary outputs, a PRNG key per replica, the
   exchange of any compressor (:mod:`grpo_optax.training.compressors`, one
   registry; :func:`make_exchange`, :func:`sparse_pmean`) and local steps
-  (DiLoCo) as a mode; checkpoints with :mod:`grpo_optax.training.
-  checkpointing`. :func:`data_parallel_step` and :func:`local_steps_step`
+  (DiLoCo) as a mode; checkpoints with
+  :mod:`grpo_optax.training.checkpointing`. :func:`data_parallel_step` and
+  :func:`local_steps_step`
   are its forms for a plain ``loss_fn(params, batch)``;
   :func:`collective_bytes` and :func:`ring_traffic` (from
   :mod:`grpo_optax.hlo`) read the traffic off the program.
@@ -32,8 +33,11 @@ from grpo_optax.hlo import collective_ops
 from grpo_optax.hlo import ring_send_bytes
 from grpo_optax.hlo import ring_traffic
 from grpo_optax.training import checkpointing
+from grpo_optax.training import compression
 from grpo_optax.training import compressors
+from grpo_optax.training import exchange
 from grpo_optax.training._nnx import PureModel
+from grpo_optax.training._nnx import StatefulModel
 from grpo_optax.training._nnx import split_model
 from grpo_optax.training._nnx import split_model_with_state
 from grpo_optax.training.distributed import DataParallelState
@@ -58,6 +62,8 @@ from grpo_optax.training.immediate import StackedParams
 from grpo_optax.training.immediate import layerwise_train_step
 from grpo_optax.training.immediate import stacked_loss_fn
 from grpo_optax.training.immediate import train_step
+from grpo_optax.training.local_steps import INT8_OUTER
+from grpo_optax.training.local_steps import QUANTIZE
 from grpo_optax.training.local_steps import LocalSteps
 from grpo_optax.training.local_steps import LocalStepsState
 from grpo_optax.training.local_steps import default_outer_optimizer
@@ -66,7 +72,9 @@ from grpo_optax.training.local_steps import int8_levels
 from grpo_optax.training.local_steps import local_steps_step
 from grpo_optax.training.local_steps import outer_step
 from grpo_optax.training.local_steps import round_traffic_per_step
+from grpo_optax.training.outer import OuterResult
 from grpo_optax.training.outer import OuterState
+from grpo_optax.training.outer import outer_exchange
 from grpo_optax.training.runtime import DataParallel
 from grpo_optax.training.runtime import StepOutput
 from grpo_optax.training.runtime import TrainState
@@ -84,23 +92,29 @@ __all__ = (
   "FrozenStep",
   "HierarchicalState",
   "HierarchicalStep",
+  "INT8_OUTER",
   "LayerwiseState",
   "LayerwiseStep",
   "LocalSteps",
   "LocalStepsState",
+  "OuterResult",
   "OuterState",
   "PureModel",
+  "QUANTIZE",
   "StackedParams",
+  "StatefulModel",
   "StepOutput",
   "TrainState",
   "checkpointing",
   "collective_bytes",
   "collective_ops",
+  "compression",
   "compressors",
   "data_parallel",
   "data_parallel_step",
   "default_is_core",
   "default_outer_optimizer",
+  "exchange",
   "exchange_mean",
   "frozen_train_step",
   "hierarchical_step",
@@ -109,6 +123,7 @@ __all__ = (
   "layerwise_train_step",
   "local_steps_step",
   "make_exchange",
+  "outer_exchange",
   "outer_step",
   "ring_send_bytes",
   "ring_traffic",

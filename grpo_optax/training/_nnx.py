@@ -122,6 +122,8 @@ def split_model_with_state(
     >>> [round(float(v), 6) for v in stats["mean"]]  # 0.99 * 0 + 0.01 * 1
     [0.01, 0.01]
   """
+  if not callable(loss_fn):
+    raise TypeError(f"`loss_fn` must be callable, got {loss_fn!r}.")
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   wrt = nnx.Param if wrt is None else wrt

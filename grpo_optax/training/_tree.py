@@ -84,6 +84,27 @@ def resolve_mask(rule: Rule, params: Any, *, name: str) -> tuple[bool, ...]:
   return tuple(_as_bool(m, name) for m in mask_leaves)
 
 
+def check_real(name: str, value: Any, kind: str) -> float:
+  """``value`` as a float; ``TypeError`` naming ``name`` unless a real number.
+
+  Strings (``float("0.5")`` would parse them), None, bools and sequences are
+  refused; ``kind`` words what is expected (``"a float in [0, 1)"``).
+  """
+  if isinstance(value, (bool, np.bool_)) or not (
+    isinstance(value, (int, float, np.integer, np.floating))
+    or (isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 0)
+  ):
+    raise TypeError(f"`{name}` must be {kind}, got {value!r}.")
+  return float(value)
+
+
+def check_flag(name: str, value: Any) -> bool:
+  """``value``; ``TypeError`` naming ``name`` unless it is a Python bool."""
+  if not isinstance(value, bool):
+    raise TypeError(f"`{name}` must be a bool (True or False), got {value!r}.")
+  return value
+
+
 def check_positive_int(name: str, value: Any) -> int:
   """Returns ``value`` as an int, raising ``ValueError`` unless it is >= 1."""
   if isinstance(value, bool):
@@ -99,6 +120,7 @@ def check_positive_int(name: str, value: Any) -> int:
 
 def check_fraction(name: str, value: Any) -> float:
   """Returns ``value`` as a float, raising ``ValueError`` unless in [0, 1)."""
+  check_real(name, value, "a float in [0, 1)")
   try:
     v = float(value)
   except (TypeError, ValueError):

@@ -25,8 +25,26 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _UNSAFE = re.compile(r"[^0-9A-Za-z_]+")
+
+
+def _check_directory(directory: Any) -> str:
+  if not isinstance(directory, (str, os.PathLike)):
+    raise TypeError(
+      f"`directory` must be a str or os.PathLike path, got {directory!r}."
+    )
+  return os.path.abspath(directory)
+
+
+def _check_step(step: Any) -> int:
+  message = f"`step` must be an int >= 0, got {step!r}."
+  if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+    raise TypeError(message)
+  if step < 0:
+    raise ValueError(message)
+  return int(step)
 
 
 def _is_key(x: Any) -> bool:
@@ -93,10 +111,15 @@ def restore_args(like: Any) -> Any:
 def save(directory: str, step: int, state: Any) -> None:
   """Writes checkpoint ``step`` of ``state`` under ``directory`` (blocking;
   every process calls it).
+
+  Raises:
+    TypeError: ``directory`` not a path, or ``step`` not an int.
+    ValueError: a negative ``step``.
   """
+  path, step = _check_directory(directory), _check_step(step)
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
-  with ocp.CheckpointManager(os.path.abspath(directory)) as manager:
+  with ocp.CheckpointManager(path) as manager:
     manager.save(
       step, args=ocp.args.Composite(state=save_args(state)), force=True
     )
@@ -109,10 +132,15 @@ def restore(directory: str, like: Any, step: int | None = None):
 
   Raises:
     FileNotFoundError: if ``directory`` holds no checkpoint.
+    TypeError: ``directory`` not a path, or ``step`` neither None nor an
+      int.
+    ValueError: a negative ``step``.
   """
+  path = _check_directory(directory)
+  step = None if step is None else _check_step(step)
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
-  with ocp.CheckpointManager(os.path.abspath(directory)) as manager:
+  with ocp.CheckpointManager(path) as manager:
     step = manager.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {directory}.")

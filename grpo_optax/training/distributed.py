@@ -1,14 +1,15 @@
 """Data-parallel training with a plain ``loss_fn(params, batch)`` (mechanism 10).
 
-:func:`data_parallel_step` is the runtime (:class:`~grpo_optax.training.
-DataParallel`, in :mod:`grpo_optax.training.runtime`) for a loss without
+:func:`data_parallel_step` is the runtime
+(:class:`~grpo_optax.training.DataParallel`) for a loss without
 model state or PRNG key: each replica (a device, or a slice of a
 :class:`jax.sharding.Mesh` axis) computes the gradient of its share of the
 global batch, the exchange gives all of them the same mean gradient, and
 each applies ``tx`` to the same parameters (replicated, or sharded
 FSDP-style within a node). JAX is the distributed engine: a ``Mesh``,
-:func:`jax.shard_map` and its collectives, and :func:`jax.distributed.
-initialize` to span several processes (CPU: gloo collectives; GPU: NCCL).
+:func:`jax.shard_map` and its collectives, and
+:func:`jax.distributed.initialize` to span several processes (CPU: gloo
+collectives; GPU: NCCL).
 
 The exchanges are the compressors of :mod:`grpo_optax.training.compressors`
 (``"dense"``, ``"all_gather"``, ``"shared_support"``, ``"powersgd"``,
@@ -49,6 +50,7 @@ import jax
 import optax
 from jax.sharding import Mesh
 
+from grpo_optax.training import _tree
 from grpo_optax.training import runtime
 
 #: The state of :func:`data_parallel_step`: the runtime's
@@ -66,23 +68,23 @@ class DataParallelStep:
   ``lower(state, batch)`` returns the ``jax.stages.Lowered`` program for
   analysis (``.compile()``, :func:`~grpo_optax.hlo.collective_bytes`).
   ``shard_batch(batch)`` places a global batch on the mesh (``step`` does it
-  for NumPy inputs). A thin wrapper of :class:`~grpo_optax.training.
-  DataParallel` (``runtime``).
+  for NumPy inputs). A thin wrapper of
+  :class:`~grpo_optax.training.DataParallel` (``runtime``).
 
   Attributes:
     runtime: the :class:`~grpo_optax.training.DataParallel` it wraps.
-    mesh, axis, dense_axis, data_axes, num_replicas, num_devices: the
-      runtime's.
-    exchange: the exchange's name; fraction, chunk_size: its options (None
-      where the compressor takes none).
+    mesh: the runtime's (also ``axis``, ``dense_axis``, ``data_axes``,
+      ``num_replicas``, ``num_devices``).
+    exchange: the exchange's name (its options: ``fraction``,
+      ``chunk_size``, None where the compressor takes none; ``options``,
+      all of them).
     error_feedback: whether the state keeps residuals.
   """
 
   def __init__(self, loss_fn, tx, mesh, *, has_aux, **kwargs):
     if not callable(loss_fn):
       raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn)}.")
-    if not isinstance(has_aux, bool):
-      raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
+    _tree.check_flag("has_aux", has_aux)
 
     def canonical(params, model_state, batch, key):
       del key
@@ -162,8 +164,9 @@ def data_parallel_step(
   With ``exchange="dense"`` the step equals single-device training on the
   global batch. ``tx`` is any optax transformation; it runs after the
   exchange, on the params as laid out. For model state (BatchNorm), a PRNG
-  key per replica or local steps, use :func:`~grpo_optax.training.
-  data_parallel` (this is that runtime with a plain loss).
+  key per replica or local steps, use
+  :func:`~grpo_optax.training.data_parallel` (this is that runtime with a
+  plain loss).
 
   Hierarchical form: on a 2-D mesh, e.g. ``Mesh(devices.reshape(nodes,
   per_node), ("node", "local"))``, ``axis="node", dense_axis="local"``
@@ -185,8 +188,9 @@ def data_parallel_step(
     dense_axis: a second mesh axis averaged densely before the exchange.
     has_aux: ``loss_fn`` returns ``(loss, aux)``.
     donate: donate the state to the compiled step (in-place update).
-    **options: the exchange's options (:func:`~grpo_optax.training.
-      make_exchange`): the compressor's (``fraction``, ``values``,
+    **options: the exchange's options
+      (:func:`~grpo_optax.training.make_exchange`): the compressor's
+      (``fraction``, ``values``,
       ``indices``, ``chunk_size``, ``support``, ``rank``) and
       ``error_feedback``, Deep Gradient Compression's ``momentum``,
       ``mask_momentum``, ``clip_norm`` (bound ``clip_norm / sqrt(W)``) and

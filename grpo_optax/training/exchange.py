@@ -190,8 +190,13 @@ class Exchange:
 
   Attributes:
     compressor: the compressor (:mod:`grpo_optax.training.compressors`).
-    error_feedback, momentum, mask_momentum, clip_norm, warmup_steps: the
-      options of :data:`PIPELINE_OPTIONS`.
+    error_feedback: keep a per-replica residual of what was not sent.
+    momentum: Deep Gradient Compression's momentum correction factor (0:
+      off).
+    mask_momentum: momentum factor masking (with momentum).
+    clip_norm: local clipping at ``clip_norm / sqrt(W)``, or None.
+    warmup_steps: steps per stage of the sparsity warm-up (0: off); the
+      last five are the options of :data:`PIPELINE_OPTIONS`.
   """
 
   compressor: base.Compressor
@@ -403,6 +408,9 @@ def make_exchange(exchange: Any = "dense", **options: Any) -> Exchange:
   return Exchange(compressor, **mine)
 
 
+_SEED = base.Option("seed", 0, "int", low=0)
+
+
 def init_exchange(
   params: Any, *, exchange: Any = "all_gather", seed: int = 0, **options: Any
 ) -> ExchangeState:
@@ -419,7 +427,8 @@ def init_exchange(
     Zero residual and velocity, ``count = 0``, the compressor's initial
     state.
   """
-  return make_exchange(exchange, **options).init(params, seed)
+  ex = make_exchange(exchange, **options)
+  return ex.init(params, _SEED.check(seed))
 
 
 def sparse_pmean(

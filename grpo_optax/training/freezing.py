@@ -22,6 +22,11 @@ import optax
 
 from grpo_optax.training import _tree
 
+__all__ = (
+  "FrozenStep",
+  "frozen_train_step",
+)
+
 
 class FrozenStep:
   """Train steps compiled per freezing mask.
@@ -41,7 +46,7 @@ class FrozenStep:
   ):
     self.loss_fn = loss_fn
     self.tx = tx
-    self.donate = donate
+    self.donate = _tree.check_flag("donate", donate)
     self.max_cached = _tree.check_positive_int("max_cached", max_cached)
     self._cache: collections.OrderedDict = collections.OrderedDict()
 

@@ -29,6 +29,14 @@ import optax
 from grpo_optax import _common
 from grpo_optax.training import _tree
 
+__all__ = (
+  "DEFAULT_NONCORE_PATTERN",
+  "HierarchicalState",
+  "HierarchicalStep",
+  "default_is_core",
+  "hierarchical_step",
+)
+
 #: Path components of the parameters that are non-core by default: MLP /
 #: feed-forward / dense blocks, normalisation layers and dense output heads.
 #: Matched against whole path components (``layers/0/mlp/fc1/kernel``).

@@ -46,6 +46,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from grpo_optax.training import _tree
+
+__all__ = (
+  "LayerwiseState",
+  "LayerwiseStep",
+  "StackedParams",
+  "layerwise_train_step",
+  "stacked_loss_fn",
+  "train_step",
+)
+
 
 def train_step(
   loss_fn: Callable[[Any, Any], jax.Array],
@@ -72,6 +83,8 @@ def train_step(
   Returns:
     The jitted step.
   """
+  _tree.check_flag("donate", donate)
+  _tree.check_flag("has_aux", has_aux)
 
   def step(params, opt_state, batch):
     value, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
@@ -128,7 +141,9 @@ def stacked_loss_fn(
   ``remat=True`` wraps ``layer_fn`` in ``jax.checkpoint`` (stores only layer
   inputs, like the fused step).
   """
-  body = jax.checkpoint(layer_fn) if remat else layer_fn
+  body = (
+    jax.checkpoint(layer_fn) if _tree.check_flag("remat", remat) else layer_fn
+  )
 
   def loss_fn(params: StackedParams, batch: Any) -> jax.Array:
     h = embed_fn(params.embed, batch)
@@ -170,6 +185,9 @@ class LayerwiseStep:
   """
 
   def __init__(self, embed_fn, layer_fn, head_fn, tx, *, max_norm, donate):
+    _tree.check_flag("donate", donate)
+    if max_norm is not None:
+      _tree.check_real("max_norm", max_norm, "None or a float > 0")
     if max_norm is not None and not float(max_norm) > 0:
       raise ValueError(f"`max_norm` must be > 0 or None, got {max_norm!r}.")
     self.embed_fn, self.layer_fn, self.head_fn = embed_fn, layer_fn, head_fn

@@ -78,6 +78,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from grpo_optax import hlo
+from grpo_optax.training import _tree
 from grpo_optax.training import compressors
 from grpo_optax.training import exchange as exchange_lib
 from grpo_optax.training import outer as outer_lib
@@ -155,7 +156,7 @@ def exchange_mean(
   """:func:`~grpo_optax.training.sparse_pmean` of the local-step keywords.
 
   With ``quantize=None`` the compressor ``exchange``; with
-  ``quantize="int8"`` the int8 compressor (:func:`outer_exchange_of`):
+  ``quantize="int8"`` the int8 compressor:
   ``a_i = x_i + r_i`` cut into chunks of ``chunk_size`` entries, all of them
   (``"dense"``) or the ``ceil(fraction m)`` of largest all-reduced norm per
   leaf (``"shared_support"``), sent as int8 in ``[-L, L]``, ``L = floor(127
@@ -167,11 +168,21 @@ def exchange_mean(
     residual: this replica's residual (same structure) or None.
     axis_name: the mesh axis of the replicas.
     num_replicas: the size of ``axis_name`` (``W``).
-    exchange, fraction, chunk_size, quantize: see :func:`outer_exchange_of`.
+    exchange: the exchange of the pseudo-gradients: a compressor name of
+      the registry (:data:`~grpo_optax.training.EXCHANGES`); with
+      ``quantize="int8"``, ``"dense"`` or ``"shared_support"``.
+    fraction: kept fraction of a compressor that takes one (checked, and
+      ignored by the others).
+    chunk_size: entries per chunk of a compressor that takes one (likewise).
+    quantize: None (float payloads) or ``"int8"``: the int8 compressor over
+      every chunk (``"dense"``) or the ``fraction`` of each leaf's chunks of
+      largest all-reduced norm (``"shared_support"``).
 
   Returns:
     ``(mean, new_residual)`` as ``sparse_pmean``.
   """
+  # Checked before any collective (outside shard_map too).
+  _tree.check_positive_int("num_replicas", num_replicas)
   ex = outer_exchange_of(exchange, fraction, chunk_size, quantize)
   if quantize is not None:
     int8_levels(num_replicas)
@@ -215,7 +226,15 @@ def outer_step(
     unsent: this replica's residual of its previous round,
       :math:`e_i^{\mathrm{prev}}` (the one its start subtracted), kept as
       the new :math:`e_i` when the replica does not report; None: zeros.
-    exchange, fraction, chunk_size, quantize: see :func:`outer_exchange_of`.
+    exchange: the exchange of the pseudo-gradients: a compressor name of
+      the registry (:data:`~grpo_optax.training.EXCHANGES`); with
+      ``quantize="int8"``, ``"dense"`` or ``"shared_support"``.
+    fraction: kept fraction of a compressor that takes one (checked, and
+      ignored by the others).
+    chunk_size: entries per chunk of a compressor that takes one (likewise).
+    quantize: None (float payloads) or ``"int8"``: the int8 compressor over
+      every chunk (``"dense"``) or the ``fraction`` of each leaf's chunks of
+      largest all-reduced norm (``"shared_support"``).
 
   Returns:
     ``(new_outer_params, new_outer_opt_state, unsent, K)``: the first two
@@ -223,6 +242,8 @@ def outer_step(
     :math:`e_i` (None without error feedback or for a lossless exchange);
     the next round starts at ``new_outer_params - unsent``.
   """
+  # Checked before any collective (outside shard_map too).
+  _tree.check_flag("error_feedback", error_feedback)
   ex = outer_exchange_of(
     exchange, fraction, chunk_size, quantize, error_feedback
   )
@@ -299,13 +320,14 @@ class LocalSteps:
   step) and donates ``state``; ``lower(...)`` returns the
   ``jax.stages.Lowered`` round (``.compile()``,
   :func:`grpo_optax.training.ring_traffic`). A thin wrapper of the runtime
-  in local-step mode (:attr:`runtime`, whose :meth:`~grpo_optax.training.
-  DataParallel.round` it runs).
+  in local-step mode (``runtime``, whose
+  :meth:`~grpo_optax.training.DataParallel.round` it runs).
 
   Attributes:
     runtime: the :class:`~grpo_optax.training.DataParallel` it wraps.
-    mesh, axis, local_steps, num_replicas: as built.
-    exchange, fraction, chunk_size, quantize: as built.
+    mesh: as built (also ``axis``, ``local_steps``, ``exchange``,
+      ``fraction``, ``chunk_size``, ``quantize``).
+    num_replicas: the size of ``axis`` (``W``).
     error_feedback: whether the state holds the unsent parts.
   """
 
@@ -340,10 +362,8 @@ class LocalSteps:
         f"`mesh` must have the single axis `axis` ({axis!r}), "
         f"got the axes {tuple(mesh.axis_names)}."
       )
-    if not isinstance(error_feedback, bool):
-      raise TypeError(
-        f"`error_feedback` must be a bool, got {error_feedback!r}."
-      )
+    _tree.check_flag("error_feedback", error_feedback)
+    _tree.check_flag("donate", donate)
     self.local_steps = _LOCAL_STEPS.check(local_steps)
     ex = outer_exchange_of(
       exchange, fraction, chunk_size, quantize, error_feedback
@@ -516,9 +536,15 @@ def local_steps_step(
     local_steps: inner steps per round ``H``, an int >= 1.
     outer_tx: the outer optax transformation (default: Nesterov SGD 0.7/0.9).
     axis: the mesh axis of the replicas.
-    exchange, fraction, chunk_size, quantize: the exchange of the
-      pseudo-gradients (:func:`outer_exchange_of`): any compressor name, or
-      ``quantize="int8"`` with ``"dense"`` or ``"shared_support"``.
+    exchange: the exchange of the pseudo-gradients: a compressor name of
+      the registry (:data:`~grpo_optax.training.EXCHANGES`); with
+      ``quantize="int8"``, ``"dense"`` or ``"shared_support"``.
+    fraction: kept fraction of a compressor that takes one (checked, and
+      ignored by the others).
+    chunk_size: entries per chunk of a compressor that takes one (likewise).
+    quantize: None (float payloads) or ``"int8"``: the int8 compressor over
+      every chunk (``"dense"``) or the ``fraction`` of each leaf's chunks of
+      largest all-reduced norm (``"shared_support"``).
     error_feedback: keep what a compressed exchange did not send in the
       replica's next start (:func:`outer_step`).
     donate: donate the state to the compiled round.
@@ -582,7 +608,6 @@ __all__ = (
   "exchange_mean",
   "int8_levels",
   "local_steps_step",
-  "outer_exchange_of",
   "outer_step",
   "round_traffic_per_step",
 )

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from grpo_optax.training import _tree
 from grpo_optax.training import exchange as exchange_lib
 
 
@@ -76,6 +77,8 @@ def default_outer_optimizer(
     ``optax.sgd(learning_rate, momentum, nesterov=True)`` (no momentum
     buffer when ``momentum == 0``).
   """
+  _tree.check_real("learning_rate", learning_rate, "a float > 0")
+  _tree.check_real("momentum", momentum, "a float in [0, 1)")
   if not learning_rate > 0:
     raise ValueError(f"`learning_rate` must be > 0, got {learning_rate}.")
   if not 0 <= momentum < 1:
@@ -109,13 +112,30 @@ def outer_exchange(
     state: this replica's exchange state; ``state.residual`` is
       :math:`e_i^{prev}` (None without error feedback).
     axis_name: the mesh axis (or axes) the replicas span.
-    exchange: the :class:`~grpo_optax.training.Exchange` of the change.
+    exchange: the :class:`~grpo_optax.training.Exchange` of the change (or
+      a name of the registry: its default options).
     outer_tx: the outer optax transformation.
     participate: this replica's participation, a bool or 0/1 scalar.
 
   Returns:
     An :class:`OuterResult`.
+
+  Raises:
+    TypeError: ``outer`` not an :class:`OuterState`, or ``outer_tx`` not an
+      optax transformation (before any collective).
+    ValueError: an unknown exchange name.
   """
+  # Checked before any collective (outside shard_map too).
+  if not isinstance(outer, OuterState):
+    raise TypeError(
+      f"`outer` must be an OuterState(params, opt_state), got {type(outer)}."
+    )
+  if not (hasattr(outer_tx, "init") and hasattr(outer_tx, "update")):
+    raise TypeError(
+      "`outer_tx` must be an optax GradientTransformation (with init and "
+      f"update), got {type(outer_tx)}."
+    )
+  exchange = exchange_lib.make_exchange(exchange)
   theta = outer.params
   m = jnp.asarray(participate).astype(jnp.float32)
   k = jax.lax.psum(m, axis_name)
@@ -160,5 +180,4 @@ __all__ = (
   "OuterState",
   "default_outer_optimizer",
   "outer_exchange",
-  "where",
 )

@@ -138,10 +138,5 @@ def split_leading(
   return jax.tree.map(lambda x: to_global(x, sharding), tree)
 
 
-__all__ = (
-  "constrain",
-  "own",
-  "param_sharding",
-  "split_leading",
-  "to_global",
-)
+# Helpers of the runtime: nothing public here.
+__all__ = ()

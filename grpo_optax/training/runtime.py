@@ -37,8 +37,9 @@ parameters sharded FSDP-style over ``dense_axis``.
 
 **Local-step mode** (``local_steps=H``): each step is an inner step of every
 replica on its own copy, without any exchange; after every ``H``-th step the
-same compiled step runs the outer step (:func:`~grpo_optax.training.outer.
-outer_exchange` in a ``lax.cond``): the replicas' parameter changes go
+same compiled step runs the outer step
+(:func:`~grpo_optax.training.outer_exchange` in a ``lax.cond``): the
+replicas' parameter changes go
 through the exchange, the outer optimizer moves the outer parameters, every
 replica restarts from them (less what its change did not get sent) and the
 model states are averaged. :meth:`DataParallel.sync` runs an outer step now
@@ -73,6 +74,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from grpo_optax import _common
+from grpo_optax.training import _tree
 from grpo_optax.training import exchange as exchange_lib
 from grpo_optax.training import outer as outer_lib
 from grpo_optax.training import placement
@@ -170,6 +172,7 @@ def replica_mean(tree: Any, axes: tuple[Any, ...]) -> Any:
 
 
 _LOCAL_STEPS = base.Option("local_steps", 0, "int", low=0)
+_SEED = base.Option("seed", 0, "int", low=0)
 
 
 def _is_tx(tx: Any) -> bool:
@@ -189,7 +192,8 @@ class DataParallel:
   leading axis of size ``H``).
 
   Attributes:
-    mesh, axis, dense_axis, local_steps, tx, outer_tx: as built.
+    mesh: as built (also ``axis``, ``dense_axis``, ``local_steps``, ``tx``,
+      ``outer_tx``).
     exchange: the :class:`~grpo_optax.training.Exchange` (gradients every
       step, or the parameter changes of the outer step).
     data_axes: the axes the batch is split over (``axis``, ``dense_axis``).
@@ -217,9 +221,8 @@ class DataParallel:
     **options: Any,
   ):
     self._check_args(loss_fn, tx, mesh, axis, dense_axis, extra_args)
-    for name, value in (("norms", norms), ("donate", donate)):
-      if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a bool, got {value!r}.")
+    _tree.check_flag("norms", norms)
+    _tree.check_flag("donate", donate)
     self.local_steps = _LOCAL_STEPS.check(local_steps)
     if self.local_steps and dense_axis is not None:
       raise ValueError(
@@ -344,8 +347,9 @@ class DataParallel:
     Raises:
       ValueError: if a leaf of ``params`` is sharded over ``axis`` (the
         exchange's, whose replicas each hold the whole parameters) or over
-        an axis this mesh lacks.
+        an axis this mesh lacks, or ``seed`` is not an int >= 0.
     """
+    seed = _SEED.check(seed)
     rep = lambda t: jax.tree.map(lambda _: self._replicated, t)
     key = None if key is None else placement.own(key, self._replicated, True)
     count = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
@@ -923,8 +927,9 @@ def data_parallel(
     norms: also return the gradient, update and parameter norms.
     donate: donate the state to the compiled step (in-place update).
     compiler_options: XLA options of the compiled programs (``jax.jit``'s).
-    **options: the exchange's options (:func:`~grpo_optax.training.
-      make_exchange`: ``fraction``, ``values``, ``momentum``, ...).
+    **options: the exchange's options
+      (:func:`~grpo_optax.training.make_exchange`: ``fraction``,
+      ``values``, ``momentum``, ...).
 
   Returns:
     A :class:`DataParallel`.
@@ -967,5 +972,4 @@ __all__ = (
   "StepOutput",
   "TrainState",
   "data_parallel",
-  "replica_mean",
 )

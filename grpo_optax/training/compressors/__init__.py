@@ -1,43 +1,42 @@
 """The compressors of the gradient exchange, and their one registry.
 
 Every exchange of :mod:`grpo_optax.training` (``exchange="..."`` of
-:func:`~grpo_optax.training.sparse_pmean`, :func:`~grpo_optax.training.
-data_parallel_step`, the runtime :class:`~grpo_optax.training.DataParallel`,
-local steps' outer exchange, the examples' ``--exchange`` flag) is a
-:class:`~grpo_optax.training.compressors.base.Compressor` registered here.
+:func:`~grpo_optax.training.sparse_pmean`,
+:func:`~grpo_optax.training.data_parallel_step`, the runtime
+:class:`~grpo_optax.training.DataParallel`, local steps' outer exchange, the
+examples' ``--exchange`` flag) is a :class:`Compressor` registered here.
 :data:`REGISTRY` is the single list of their names; :func:`options` gathers
 the options they take (each declared once, in its compressor's module);
 :func:`make` validates a name and options and builds the compressor.
 
-Adding a compressor: one module here with a ``Compressor`` subclass, and one
-line in :data:`REGISTRY` (docs/design.md, "Adding a compressor").
+Adding a compressor: one module here with a ``Compressor`` subclass, and in
+this file its import, its line in :data:`REGISTRY` and its name in
+``__all__`` (docs/design.md, "Adding a compressor").
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from grpo_optax.training.compressors import all_gather
-from grpo_optax.training.compressors import base
-from grpo_optax.training.compressors import dense
-from grpo_optax.training.compressors import int8
-from grpo_optax.training.compressors import powersgd
-from grpo_optax.training.compressors import shared_support
+from grpo_optax.training.compressors.all_gather import AllGather
+from grpo_optax.training.compressors.base import CHUNK_SIZE
+from grpo_optax.training.compressors.base import FRACTION
+from grpo_optax.training.compressors.base import VALUES
 from grpo_optax.training.compressors.base import Compressor
 from grpo_optax.training.compressors.base import Decompressed
 from grpo_optax.training.compressors.base import Option
 from grpo_optax.training.compressors.base import Payload
+from grpo_optax.training.compressors.dense import Dense
+from grpo_optax.training.compressors.int8 import Int8
+from grpo_optax.training.compressors.powersgd import PowerSGD
+from grpo_optax.training.compressors.powersgd import PowerSGDState
+from grpo_optax.training.compressors.shared_support import SharedSupport
+from grpo_optax.training.compressors.shared_support import SupportState
 
 #: name -> compressor class: the exchanges, in the order the docs list them.
 REGISTRY: dict[str, type[Compressor]] = {
   c.name: c
-  for c in (
-    dense.Dense,
-    all_gather.AllGather,
-    shared_support.SharedSupport,
-    powersgd.PowerSGD,
-    int8.Int8,
-  )
+  for c in (Dense, AllGather, SharedSupport, PowerSGD, Int8)
 }
 
 #: The exchange names (``exchange=`` values).
@@ -115,25 +114,6 @@ def make(exchange: Any, **given: Any) -> Compressor:
   return cls(**kwargs)
 
 
-__all__ = (
-  "NAMES",
-  "REGISTRY",
-  "Compressor",
-  "Decompressed",
-  "Option",
-  "Payload",
-  "all_gather",
-  "base",
-  "dense",
-  "int8",
-  "make",
-  "markdown_table",
-  "options",
-  "powersgd",
-  "shared_support",
-  "takers",
-)
-
 
 def markdown_table() -> str:
   """The exchanges and their options as Markdown (``docs/communication.md``
@@ -158,20 +138,24 @@ def markdown_table() -> str:
 
 
 __all__ = (
+  "CHUNK_SIZE",
+  "FRACTION",
   "NAMES",
   "REGISTRY",
+  "VALUES",
+  "AllGather",
   "Compressor",
   "Decompressed",
+  "Dense",
+  "Int8",
   "Option",
   "Payload",
-  "all_gather",
-  "base",
-  "dense",
-  "int8",
+  "PowerSGD",
+  "PowerSGDState",
+  "SharedSupport",
+  "SupportState",
   "make",
   "markdown_table",
   "options",
-  "powersgd",
-  "shared_support",
   "takers",
 )

@@ -51,10 +51,13 @@ class Layout:
 
   Attributes:
     size: entries of the leaf.
-    block, blocks: entries per block and blocks per leaf.
+    block: entries per block.
+    blocks: blocks per leaf.
     kept: entries kept per block.
     index: ``"int32"``, ``"uint16"`` or ``"bitmap"``.
-    value_bytes, index_bytes, nbytes: the payload's parts and total.
+    value_bytes: bytes of the kept values.
+    index_bytes: bytes of their indices.
+    nbytes: the payload's bytes in all.
   """
 
   def __init__(self, size: int, fraction: float, values: str, indices: str):
@@ -198,4 +201,8 @@ class AllGather(base.Compressor):
     return sum(self.layout(math.prod(s)).nbytes for s in shapes if math.prod(s))
 
 
-__all__ = ("BLOCK", "INDICES", "AllGather", "Layout")
+__all__ = (
+  "BLOCK",
+  "AllGather",
+  "Layout",
+)

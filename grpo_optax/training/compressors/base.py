@@ -48,6 +48,8 @@ from typing import Any
 from typing import ClassVar
 from typing import NamedTuple
 
+import numpy as np
+
 AxisName = Any  # A mesh axis name, or a tuple of them.
 Shape = tuple[int, ...]
 
@@ -61,8 +63,10 @@ class Option:
     default: its value when not given.
     kind: ``"float"``, ``"int"``, ``"bool"``, ``"choice"`` or
       ``"optional_float"`` (None or a float).
-    low, high: the allowed range of a number (None: unbounded).
-    low_open, high_open: whether the range excludes ``low`` / ``high``.
+    low: the lower end of a number's allowed range (None: unbounded).
+    high: the upper end (None: unbounded).
+    low_open: whether the range excludes ``low``.
+    high_open: whether the range excludes ``high``.
     choices: the allowed values of a ``"choice"``.
     help: one line for the documentation and the examples' flags.
   """
@@ -105,7 +109,7 @@ class Option:
     if self.kind == "choice":
       return f"one of {self.choices}"
     if self.kind == "bool":
-      return "a bool"
+      return "a bool (True or False)"
     if self.kind == "optional_float":
       return f"None or a float {self._range()}"
     return f"{'an int' if self.kind == 'int' else 'a float'} {self._range()}"
@@ -114,40 +118,71 @@ class Option:
     """``value`` validated (and converted to its kind).
 
     Raises:
-      ValueError: naming the option, what it allows and the value given.
+      TypeError: a value of the wrong type (a string, None or a bool for a
+        float, a string or None for an int, anything but a bool for a
+        flag), naming the option, what it allows and the value given.
+      ValueError: a value outside the range or the choices, a
+        non-integral number or a bool for an int, likewise named.
     """
-    bad = ValueError(f"`{self.name}` must be {self.describe()}, got {value!r}.")
+    message = f"`{self.name}` must be {self.describe()}, got {value!r}."
     if self.kind == "choice":
-      if value not in self.choices:
-        raise bad
+      if not _is_hashable(value) or value not in self.choices:
+        raise ValueError(message)
       return value
     if self.kind == "bool":
       if not isinstance(value, bool):
-        raise TypeError(f"`{self.name}` must be a bool, got {value!r}.")
+        raise TypeError(message)
       return value
     if self.kind == "optional_float" and value is None:
       return None
-    if isinstance(value, bool):
-      raise bad
+    if self.kind == "int" and isinstance(value, (bool, np.bool_)):
+      raise ValueError(message)  # As training's other int checks.
+    if not _is_real(value):
+      raise TypeError(message)
     try:
       v = operator.index(value) if self.kind == "int" else float(value)
-    except (TypeError, ValueError):
-      raise bad from None
+    except TypeError:
+      raise ValueError(message) from None
     if math.isnan(v):
-      raise bad
+      raise ValueError(message)
     if self.low is not None and (
       v <= self.low if self.low_open else v < self.low
     ):
-      raise bad
+      raise ValueError(message)
     if self.high is not None and (
       v >= self.high if self.high_open else v > self.high
     ):
-      raise bad
+      raise ValueError(message)
     return v
 
 
-#: The options shared by several compressors (each compressor lists the
-#: ones it takes, possibly with fewer choices).
+def _is_hashable(value: Any) -> bool:
+  try:
+    hash(value)
+  except TypeError:
+    return False
+  return True
+
+
+def _is_real(value: Any) -> bool:
+  """A real number: a Python or NumPy int or float, or a 0-d array of one;
+  not a bool, a string, None or a sequence.
+  """
+  if isinstance(value, (bool, np.bool_)):
+    return False
+  if isinstance(value, (int, float, np.integer, np.floating)):
+    return True
+  return (
+    hasattr(value, "dtype")
+    and np.ndim(value) == 0
+    and np.issubdtype(value.dtype, np.number)
+  )
+
+
+# The options shared by several compressors (each compressor lists the ones
+# it takes, possibly with fewer choices).
+
+#: The kept fraction of a sparse compressor, in (0, 1] (default 0.3).
 FRACTION = Option(
   "fraction",
   0.3,
@@ -158,6 +193,7 @@ FRACTION = Option(
   help="kept fraction of the entries (per leaf, or of the chunks of the "
   "model), after the sparsity warm-up",
 )
+#: Entries per chunk of a chunked compressor, an int >= 1 (default 64).
 CHUNK_SIZE = Option(
   "chunk_size",
   64,
@@ -166,6 +202,7 @@ CHUNK_SIZE = Option(
   help="entries per chunk (a leaf's last chunk, or a smaller leaf, is "
   "zero-padded)",
 )
+#: The payload's value format: float32, bfloat16 or int8 (default float32).
 VALUES = Option(
   "values",
   "float32",

@@ -24,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from grpo_optax.training import _tree
 from grpo_optax.training.compressors import base
 from grpo_optax.training.compressors import payload as pl
 
@@ -34,8 +35,9 @@ def int8_levels(num_replicas: int) -> int:
   all-reduce is exact (no overflow, no rounding in the sum).
 
   Raises:
-    ValueError: for more than 127 replicas.
+    ValueError: unless ``num_replicas`` is an int in [1, 127].
   """
+  num_replicas = _tree.check_positive_int("num_replicas", num_replicas)
   if num_replicas > 127:
     raise ValueError(
       f"the int8 exchange supports at most 127 replicas, got {num_replicas}."

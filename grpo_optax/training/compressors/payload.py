@@ -188,19 +188,10 @@ def leaf_chunks(a: jax.Array, chunk_size: int) -> jax.Array:
   return c.reshape(m, width)
 
 
+# The helpers the compressors share stay unexported; these three are public
+# as grpo_optax.training.compression's.
 __all__ = (
-  "chunk_matrix",
-  "chunk_rows",
-  "chunk_width",
-  "decode_values",
-  "encode_values",
-  "from_bytes",
-  "leaf_chunks",
-  "num_chunks",
   "num_kept",
-  "psum_packed",
   "replica_mean",
-  "to_bytes",
-  "unchunk",
   "value_bytes",
 )

@@ -160,7 +160,6 @@ class PowerSGD(base.Compressor):
 
 
 __all__ = (
-  "RANK",
   "PowerSGD",
   "PowerSGDState",
   "init_powersgd",

@@ -138,4 +138,7 @@ class SharedSupport(base.Compressor):
     return values + (4 * m if self.support == "norms" else 0)
 
 
-__all__ = ("SUPPORT", "SharedSupport", "SupportState")
+__all__ = (
+  "SharedSupport",
+  "SupportState",
+)

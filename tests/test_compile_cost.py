@@ -1,0 +1,80 @@
+"""Compile cost of the update: flat in the number of leaves.
+
+XLA compiles every distinct fused computation of a program separately, and
+dedupes identical ones: a per-leaf constant fused into a leaf's kernels (a
+slice of a shared vector at the leaf's index, say) makes every leaf's kernel
+distinct, and compile time then grows by one kernel per leaf (about 12 ms
+each on a CPU core). These tests count computations, not seconds: the count
+of distinct fused computations of the compiled update + apply may not grow
+with the number of leaves of a tree made of the same few shapes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import grpo_optax
+from grpo_optax import hlo
+
+# Per layer: four (32, 32) kernels and a (32, 128) one (masked: 1,024 and
+# 4,096 entries) and four vectors (dense under the default min_size).
+_LAYER = {
+  "q": (32, 32),
+  "k": (32, 32),
+  "v": (32, 32),
+  "o": (32, 32),
+  "w1": (32, 128),
+  "b1": (128,),
+  "b2": (32,),
+  "ln_scale": (32,),
+  "ln_bias": (32,),
+}
+
+MODES = {
+  "adam": lambda: optax.adam(1e-3),
+  "dense": lambda: grpo_optax.grpo(1e-3, sparsify=None),
+  "topk": lambda: grpo_optax.grpo(1e-3),
+  "threshold": lambda: grpo_optax.grpo(1e-3, sparsify="threshold"),
+  "article": lambda: grpo_optax.grpo(1e-3, **grpo_optax.ARTICLE_DEFAULTS),
+  "topk_chain": lambda: grpo_optax.grpo(1e-3, fused=False),
+  "int8": lambda: grpo_optax.grpo(1e-3, mu_format="int8", nu_format="uint8"),
+  "freeze": lambda: grpo_optax.grpo(
+    1e-3, freeze_threshold=0.3, freeze_warmup_steps=2
+  ),
+}
+
+
+def _tree(n_layers: int):
+  return {
+    f"layer_{i}": {k: jnp.full(s, 0.01, jnp.float32) for k, s in _LAYER.items()}
+    for i in range(n_layers)
+  }
+
+
+def _distinct(tx, n_layers: int) -> int:
+  params = _tree(n_layers)
+  state = tx.init(params)
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  compiled = (
+    jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
+  )
+  return hlo.fused_computations(compiled)["distinct"]
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_distinct_fused_computations_do_not_grow_with_the_leaves(mode):
+  small = _distinct(MODES[mode](), 2)  # 18 leaves
+  large = _distinct(MODES[mode](), 8)  # 72 leaves
+  # A kernel per leaf would add 54 at least; padding of the per-leaf
+  # vectors' splits may add a kernel or two.
+  assert large - small <= 3, (
+    f"{mode}: {small} distinct fused computations with 18 leaves, {large} "
+    "with 72: some kernel is compiled once per leaf"
+  )
