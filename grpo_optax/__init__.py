@@ -49,6 +49,7 @@ from grpo_optax.momentum import scale_by_nesterov_adam_rms
 from grpo_optax.presets import ARTICLE_DEFAULTS
 from grpo_optax.presets import WIRING
 from grpo_optax.presets import GrpoState
+from grpo_optax.presets import Knob
 from grpo_optax.presets import grpo
 from grpo_optax.sparsify import EmaThresholdMaskConfig
 from grpo_optax.sparsify import EmaThresholdMaskState
@@ -75,6 +76,7 @@ __all__ = [
   "FreezeBelowState",
   "FusedState",
   "GrpoState",
+  "Knob",
   "ScaleByImportanceConfig",
   "ScaleByImportanceState",
   "ScaleByNesterovAdamRmsConfig",

@@ -54,17 +54,21 @@ from grpo_optax import sparsify
 __all__ = (
   "FusedState",
   "clip_mask_adam",
-  "fusable",
 )
 
 MaskConfig = sparsify.TopKMaskConfig | sparsify.EmaThresholdMaskConfig
 
 
 class FusedState(NamedTuple):
-  """State of :func:`clip_mask_adam`: the three rooms' own states."""
+  """State of :func:`clip_mask_adam`: the three rooms' own states.
 
-  clip: clipping.ClipWithL2State | None  # None without clipping
-  # None without a mask
+  Attributes:
+    clip: the clipping room's state, None without clipping.
+    mask: the mask's state (top-k or EMA threshold), None without a mask.
+    adaptive: the Nesterov + Adam/RMSProp room's state.
+  """
+
+  clip: clipping.ClipWithL2State | None
   mask: sparsify.TopKMaskState | sparsify.EmaThresholdMaskState | None
   adaptive: momentum.ScaleByNesterovAdamRmsState
 
@@ -122,7 +126,8 @@ def clip_mask_adam(
 
   Equal to ``optax.chain(clip.transform(), mask.transform(),
   adam.transform())`` of the same configs (module docstring); a setting
-  only the chain computes (:func:`fusable`) raises a ``ValueError``.
+  only the chain computes (``topk_method="exact"``, ``frequency_weight``,
+  ``filter_decay``) raises a ``ValueError``.
   """
   blockers = fusable(mask, adam)
   if blockers:

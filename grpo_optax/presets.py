@@ -48,7 +48,6 @@ __all__ = (
   "GrpoState",
   "Knob",
   "WIRING",
-  "describe",
   "grpo",
 )
 
@@ -104,6 +103,7 @@ class Knob:
     convert: maps the keyword's value to the fields' (e.g. ``max_norm=None``,
       no clipping, is the clip config's ``inf``), or None.
     help: one line for the docs' table and the examples' flags.
+    annotation: the type it takes, as :func:`grpo`'s signature shows it.
   """
 
   keyword: str
@@ -111,11 +111,36 @@ class Knob:
   fields: tuple[tuple[str, str], ...] = ()
   convert: Callable[[Any], Any] | None = None
   help: str = ""
+  annotation: str = "Any"
+
+
+# A keyword that may be None says so; the others take their default's type.
+_OPTIONAL = {
+  "zclip": "float | None",
+  "max_norm": "float | None",
+  "l2": "float | None",
+  "weight_decay": "float | None",
+  "sparsify": "str | None",
+  "frequency_weight": "float | None",
+  "filter_decay": "float | None",
+  "mu_dtype": "jax.typing.DTypeLike | None",
+  "nu_dtype": "jax.typing.DTypeLike | None",
+  "weight_decay_mask": "Any | Callable[[Any], Any] | None",
+  "mu_format": "str | None",
+  "nu_format": "str | None",
+  "accumulator_format": "str | None",
+  "variance_coef": "float | None",
+  "freeze_threshold": "float | None",
+  "fused": "bool | None",
+}
 
 
 def _k(keyword, default, *fields, convert=None, help=""):  # noqa: A002
   pairs = tuple(tuple(f.split(".")) for f in fields)
-  return Knob(keyword, default, pairs, convert, help)  # pyright: ignore[reportArgumentType]
+  annotation = _OPTIONAL.get(keyword) or (
+    type(default).__name__ if default is not None else "Any"
+  )
+  return Knob(keyword, default, pairs, convert, help, annotation)  # pyright: ignore[reportArgumentType]
 
 
 #: Every keyword of :func:`grpo`, in the order of its signature: the one
@@ -318,6 +343,21 @@ class GrpoState(NamedTuple):
   """State of :func:`grpo`: each mechanism's own state (None when off), in
   the order they act; the same structure for ``fused=True`` and
   ``fused=False``.
+
+  Attributes:
+    zclip: :class:`ZClipState` (``zclip=``), or None.
+    clip: :class:`ClipWithL2State` (``max_norm=`` or ``l2=``), or None.
+    importance: :class:`ScaleByImportanceState` (``importance=True``), or
+      None.
+    mask: :class:`TopKMaskState` or :class:`EmaThresholdMaskState`
+      (``sparsify=``), or None.
+    adaptive: :class:`ScaleByNesterovAdamRmsState` (``adaptive=True``), or
+      None.
+    variance: :class:`ScaleByVarianceLrState` (``variance_coef=``), or None.
+    decay: ``optax.add_decayed_weights``' state (``weight_decay=``), or None.
+    schedule: ``optax.scale_by_learning_rate``'s state (a step count with a
+      schedule).
+    freeze: :class:`FreezeBelowState` (``freeze_threshold=``), or None.
   """
 
   zclip: ZClipState | None
@@ -326,8 +366,8 @@ class GrpoState(NamedTuple):
   mask: TopKMaskState | EmaThresholdMaskState | None
   adaptive: ScaleByNesterovAdamRmsState | None
   variance: ScaleByVarianceLrState | None
-  decay: Any  # optax.add_decayed_weights' state, or None
-  schedule: Any  # optax.scale_by_learning_rate's state
+  decay: Any
+  schedule: Any
   freeze: FreezeBelowState | None
 
 
@@ -343,7 +383,9 @@ def _signature() -> inspect.Signature:
       )
     ]
     + [
-      inspect.Parameter(k.keyword, keyword_only, default=k.default)
+      inspect.Parameter(
+        k.keyword, keyword_only, default=k.default, annotation=k.annotation
+      )
       for k in WIRING
     ],
     return_annotation="optax.GradientTransformationExtraArgs",

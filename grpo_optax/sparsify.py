@@ -816,6 +816,9 @@ class TopKMaskConfig(_mechanism.Config):
   frequency_decay: Any = 0.9
   seed: Any = 0
   accumulator_format: Any = None
+  _given_fraction: Any = dataclasses.field(
+    default=None, init=False, repr=False, compare=False
+  )
 
   def __post_init__(self):
     _common.check_range(
@@ -832,6 +835,9 @@ class TopKMaskConfig(_mechanism.Config):
     static_int("seed", self.seed, 0)
     _common.check_bool("error_feedback", self.error_feedback)
     self._set(
+      # k = ceil(fraction n) from the fraction as given: in float32, 0.3
+      # is 0.30000001 and ceil(0.3f * 1000) is 301.
+      _given_fraction=_common.concrete_value(self.fraction),
       accumulator_format=check_accumulator_format(self.accumulator_format),
       fraction=_common.f32(self.fraction),
       frequency_weight=_common.f32(self.frequency_weight),
@@ -850,7 +856,7 @@ class TopKMaskConfig(_mechanism.Config):
     """
     if static_int("warmup_steps", self.warmup_steps, 0) != 0:
       return None
-    return _common.concrete_value(self.fraction)
+    return self._given_fraction
 
   def init(self, params):
     (error_feedback, use_frequency, by_threshold, acc_fmt) = (

@@ -42,12 +42,16 @@ class ZClipState(NamedTuple):
   var: jax.Array  # shape=(), float32: their variance
   clipped: jax.Array  # shape=(), dtype=int32: steps whose norm was clipped
 
+  #: ``grpo_optax.metrics`` reports this state as ``zclip/...``.
+  metrics_prefix = "zclip"
+
   def metrics(self) -> dict[str, jax.Array]:
+    """``rate`` (the fraction of steps clipped), ``norm_mean``, ``norm_std``."""
     return {
-      "zclip_rate": self.clipped.astype(jnp.float32)
+      "rate": self.clipped.astype(jnp.float32)
       / jnp.maximum(self.count.astype(jnp.float32), 1.0),
-      "zclip_norm_mean": self.mean,
-      "zclip_norm_std": jnp.sqrt(self.var),
+      "norm_mean": self.mean,
+      "norm_std": jnp.sqrt(self.var),
     }
 
 
@@ -155,7 +159,7 @@ def zclip(
     \sigma^2 \leftarrow \alpha\sigma^2 + (1-\alpha)(n_c - \mu)^2
 
   (``mu`` on the right of the second line is the new mean). The state
-  counts clipped steps (``metrics()``: ``zclip_rate``).
+  counts clipped steps (``grpo_optax.metrics``: ``zclip/rate``).
 
   Args:
     z_threshold: ``z_thr``, > 0 (the paper's default 2.5).
