@@ -12,7 +12,8 @@ import grpo_optax
 def _reference(norm_scales, z, alpha, warmup):
   """The factor each step's gradient is multiplied by, in float64: the
   running mean / variance over the warm-up, then the EMAs of the clipped
-  norm (Kumar et al. 2025, Algorithm 1, with the mean updated first)."""
+  norm (Kumar et al. 2025, Algorithm 1, with the mean updated first).
+  """
   mean = var = 0.0
   factors, clipped = [], 0
   for t, n in enumerate(norm_scales):
@@ -50,7 +51,7 @@ def test_zclip_matches_the_numpy_reference(z, alpha, warmup):
   state = tx.init(base)
   got = []
   for s in scales:
-    g = jax.tree.map(lambda x: jnp.asarray(x * np.float32(s)), base)
+    g = {k: jnp.asarray(x * np.float32(s)) for k, x in base.items()}
     out, state = update(g, state)
     got.append(float(out["w"][0, 0]) / float(g["w"][0, 0]))
   want, clipped = _reference(scales * base_norm, z, alpha, warmup)
