@@ -429,6 +429,19 @@ def grid_sample(
   return jax.lax.squeeze(y, tuple(range(1, 2 * x.ndim, 2)))
 
 
+def varying_axes(x: Any) -> frozenset:
+  """The ``shard_map`` axes ``x`` varies over (empty outside one).
+
+  JAX up to 0.9 keeps them in the abstract value's ``vma``; later versions
+  in ``manual_axis_type.varying``.
+  """
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)
+  if vma is None:
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+  return frozenset(vma or ())
+
+
 def explicit_spec(x: Any) -> Any:
   """The PartitionSpec of ``x`` on an Explicit mesh axis, else None."""
   sharding = getattr(jax.typeof(x), "sharding", None)

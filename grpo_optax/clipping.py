@@ -8,6 +8,7 @@ that the rate is measurable: ``clipped / count``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -17,8 +18,10 @@ import numpy as np
 import optax
 
 from grpo_optax import _common
+from grpo_optax import _mechanism
 
 __all__ = (
+  "ClipWithL2Config",
   "ClipWithL2State",
   "clip_with_l2",
 )
@@ -115,6 +118,69 @@ def next_state(
   )
 
 
+@dataclasses.dataclass(frozen=True)
+class ClipWithL2Config(_mechanism.Config):
+  """The knobs of :func:`clip_with_l2`, validated (see its arguments).
+
+  Attributes:
+    max_norm: the global-norm bound ``c``, > 0 (``inf``: no clipping).
+    l2: coefficient of the coupled L2 term, >= 0, or None (off).
+  """
+
+  max_norm: Any = 1.0
+  l2: Any = None
+
+  def __post_init__(self):
+    _common.check_range("max_norm", self.max_norm, 0.0, low_inclusive=False)
+    if self.l2 is not None:
+      _common.check_range("l2", self.l2, 0.0)
+    self._set(max_norm=_common.f32(self.max_norm), l2=_common.f32(self.l2))
+
+  @property
+  def l2_on(self) -> bool:
+    """Whether the L2 term is on (a static 0 is off, a traced value on)."""
+    return not (self.l2 is None or _common.is_static_zero(self.l2))
+
+  def init(self, params) -> ClipWithL2State:
+    del params
+    return ClipWithL2State(
+      count=jnp.zeros([], jnp.int32),
+      clipped=jnp.zeros([], jnp.int32),
+      last_norm=jnp.zeros([], jnp.float32),
+    )
+
+  def update(self, updates, state, params=None, **extra_args):
+    del extra_args
+    leaves, treedef = jax.tree.flatten(updates)
+    p_leaves = None
+    if self.l2_on:
+      _common.require_params(
+        params,
+        "clip_with_l2",
+        "when l2 is non-zero or traced (pass l2=None to switch it off)",
+      )
+      _common.check_same_structure("params", params, updates, "clip_with_l2")
+      p_leaves = treedef.flatten_up_to(params)
+    outs, norm = clip_leaves(leaves, p_leaves, self)
+    return treedef.unflatten(outs), next_state(state, norm, self.max_norm)
+
+
+def clip_leaves(
+  g_leaves: list[jax.Array], p_leaves: list[Any] | None, cfg: ClipWithL2Config
+) -> tuple[list[jax.Array], jax.Array]:
+  """``a = (g + l2 p) min(1, max_norm / ||g + l2 p||)`` per leaf, and the
+  norm: the mechanism's math, shared with the fused core.
+  """
+  l2 = cfg.l2 if p_leaves is not None else None
+  norm = norm_with_l2(g_leaves, p_leaves, l2)
+  scale = clip_factor(norm, cfg.max_norm)
+  outs = []
+  for i, g in enumerate(g_leaves):
+    a = g if p_leaves is None else g + l2 * p_leaves[i]
+    outs.append((a * scale).astype(g.dtype))
+  return outs, norm
+
+
 def clip_with_l2(
   max_norm: float = 1.0,
   l2: float | None = None,
@@ -157,40 +223,4 @@ def clip_with_l2(
     Seetharaman et al., `AutoClip: Adaptive Gradient Clipping
     <https://arxiv.org/abs/2007.14469>`_, 2020.
   """
-  _common.check_range("max_norm", max_norm, 0.0, low_inclusive=False)
-  if l2 is not None:
-    _common.check_range("l2", l2, 0.0)
-  l2_off = l2 is None or _common.is_static_zero(l2)
-
-  max_norm = _common.f32(max_norm)
-  l2 = _common.f32(l2)
-
-  def init_fn(params):
-    del params
-    return ClipWithL2State(
-      count=jnp.zeros([], jnp.int32),
-      clipped=jnp.zeros([], jnp.int32),
-      last_norm=jnp.zeros([], jnp.float32),
-    )
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
-    leaves, treedef = jax.tree.flatten(updates)
-    p_leaves = None
-    if not l2_off:
-      _common.require_params(
-        params,
-        "clip_with_l2",
-        "when l2 is non-zero or traced (pass l2=None to switch it off)",
-      )
-      _common.check_same_structure("params", params, updates, "clip_with_l2")
-      p_leaves = treedef.flatten_up_to(params)
-    norm = norm_with_l2(leaves, p_leaves, l2)
-    scale = clip_factor(norm, max_norm)
-    outs = []
-    for i, g in enumerate(leaves):
-      a = g if p_leaves is None else g + l2 * p_leaves[i]
-      outs.append((a * scale).astype(g.dtype))
-    return treedef.unflatten(outs), next_state(state, norm, max_norm)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return ClipWithL2Config(max_norm, l2).transform()

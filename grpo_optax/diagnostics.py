@@ -31,7 +31,8 @@ __all__ = (
 
 # The name of each room's state in metrics() keys. A room's state answers
 # the protocol by a ``metrics(self) -> dict[str, jax.Array]`` method; a state
-# type not named here reports under its class name.
+# type not named here reports under its ``metrics_prefix`` class attribute
+# (a new mechanism's room names itself), else its class name.
 PREFIXES = {
   ClipWithL2State: "clip",
   ScaleByImportanceState: "importance",
@@ -107,7 +108,9 @@ def metrics(opt_state) -> dict[str, jax.Array]:
   )[0]:
     if not _is_room(s):
       continue
-    room = PREFIXES.get(type(s), type(s).__name__)
+    room = PREFIXES.get(type(s)) or getattr(
+      type(s), "metrics_prefix", type(s).__name__
+    )
     label = _label(path)
     named.append((f"{label}:{room}" if label is not None else room, s))
   seen: dict[str, int] = {}

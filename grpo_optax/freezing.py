@@ -9,6 +9,8 @@ decision so that a training step can also stop computing those gradients
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
 from typing import NamedTuple
 
 import jax
@@ -16,8 +18,10 @@ import jax.numpy as jnp
 import optax
 
 from grpo_optax import _common
+from grpo_optax import _mechanism
 
 __all__ = (
+  "FreezeBelowConfig",
   "FreezeBelowState",
   "freeze_below",
 )
@@ -44,6 +48,81 @@ class FreezeBelowState(NamedTuple):
       "frozen_fraction": k.astype(jnp.float32) / max(n, 1),
       "importance": self.importance.astype(jnp.float32),
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class FreezeBelowConfig(_mechanism.Config):
+  """The knobs of :func:`freeze_below`, validated (see its arguments).
+
+  Attributes:
+    threshold: freeze a leaf whose normalised importance falls below it,
+      >= 0.
+    decay: EMA decay of the importance, in [0, 1).
+    warmup_steps: steps before any leaf may freeze, int >= 0.
+  """
+
+  threshold: Any = 0.3
+  decay: Any = 0.9
+  warmup_steps: Any = 100
+
+  def __post_init__(self):
+    _common.check_range("threshold", self.threshold, 0.0)
+    _common.check_range("decay", self.decay, 0.0, 1.0, high_inclusive=False)
+    _common.check_int("warmup_steps", self.warmup_steps, 0)
+    self._set(
+      threshold=_common.f32(self.threshold), decay=_common.f32(self.decay)
+    )
+
+  def init(self, params) -> FreezeBelowState:
+    return FreezeBelowState(
+      count=jnp.zeros([], jnp.int32),
+      importance=_common.leaf_scalars(params),
+      frozen=_common.leaf_scalars(params, False, bool),
+    )
+
+  def update(self, updates, state, params=None, **extra_args):
+    del extra_args
+    _common.require_params(
+      params, "freeze_below", "(importance is mean |g * p| per leaf)"
+    )
+    _common.check_same_structure("params", params, updates, "freeze_below")
+    t = state.count
+    leaves, treedef = jax.tree.flatten(updates)
+    p_leaves = treedef.flatten_up_to(params)
+    if state.importance.shape[0] != len(leaves):
+      raise ValueError(
+        f"freeze_below: the state was built for {state.importance.shape[0]} "
+        f"leaves but the updates have {len(leaves)}"
+      )
+    decay = self.decay
+    bc = _common.bias_correction(decay, _common.safe_increment(t))
+    # mean |g p| on a fixed grid sample of each leaf (local to each shard),
+    # then one vector operation over the leaves.
+    score = _common.stack(
+      [
+        _common.mean32(
+          jnp.abs(
+            _common.strided_sample(g).astype(jnp.float32)
+            * _common.strided_sample(p).astype(jnp.float32)
+          )
+        )
+        for g, p in zip(leaves, p_leaves)
+      ]
+    )
+    imp = decay * state.importance + (1 - decay) * score
+    # Mean over the leaves that are still trainable: a frozen leaf's gradient
+    # may no longer be computed (frozen_train_step), so it must not drag it.
+    active = jnp.logical_not(state.frozen).astype(jnp.float32)
+    mean_imp = jnp.sum(imp / bc * active) / jnp.maximum(jnp.sum(active), 1.0)
+    may_freeze = t >= jnp.asarray(self.warmup_steps, t.dtype)
+    frozen = state.frozen | (
+      may_freeze & ((imp / bc) / (mean_imp + 1e-30) < self.threshold)
+    )
+    flags = _common.unstack(frozen)
+    outs = [jnp.where(f, jnp.zeros_like(g), g) for g, f in zip(leaves, flags)]
+    return treedef.unflatten(outs), FreezeBelowState(
+      count=_common.safe_increment(t), importance=imp, frozen=frozen
+    )
 
 
 def freeze_below(
@@ -89,66 +168,4 @@ def freeze_below(
     Liu et al., `AutoFreeze: Automatically Freezing Model Blocks to Accelerate
     Fine-tuning <https://arxiv.org/abs/2102.01386>`_, 2021.
   """
-  _common.check_range("threshold", threshold, 0.0)
-  _common.check_range("decay", decay, 0.0, 1.0, high_inclusive=False)
-  _common.check_int("warmup_steps", warmup_steps, 0)
-  threshold = _common.f32(threshold)
-  decay = _common.f32(decay)
-
-  def init_fn(params):
-    return FreezeBelowState(
-      count=jnp.zeros([], jnp.int32),
-      importance=_common.leaf_scalars(params),
-      frozen=_common.leaf_scalars(params, False, bool),
-    )
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
-    _common.require_params(
-      params, "freeze_below", "(importance is mean |g * p| per leaf)"
-    )
-    _common.check_same_structure("params", params, updates, "freeze_below")
-    t = state.count
-    leaves, treedef = jax.tree.flatten(updates)
-    p_leaves = treedef.flatten_up_to(params)
-    imp = _common.unstack(state.importance)
-    frozen = _common.unstack(state.frozen)
-    if len(imp) != len(leaves):
-      raise ValueError(
-        f"freeze_below: the state was built for {len(imp)} "
-        f"leaves but the updates have {len(leaves)}"
-      )
-    bc = _common.bias_correction(decay, _common.safe_increment(t))
-    # mean |g p| on a fixed grid sample of the leaf (local to each shard).
-    new_imp = [
-      decay * i
-      + (1 - decay)
-      * _common.mean32(
-        jnp.abs(
-          _common.strided_sample(g).astype(jnp.float32)
-          * _common.strided_sample(p).astype(jnp.float32)
-        )
-      )
-      for g, p, i in zip(leaves, p_leaves, imp)
-    ]
-    # Mean over the leaves that are still trainable: a frozen leaf's gradient
-    # may no longer be computed (frozen_train_step), so it must not drag the mean.
-    active = [jnp.logical_not(f).astype(jnp.float32) for f in frozen]
-    mean_imp = sum(
-      (i / bc * a for i, a in zip(new_imp, active)), jnp.zeros((), jnp.float32)
-    ) / jnp.maximum(sum(active, jnp.zeros((), jnp.float32)), 1.0)
-    may_freeze = t >= jnp.asarray(warmup_steps, t.dtype)
-    new_frozen = [
-      f | (may_freeze & ((i / bc) / (mean_imp + 1e-30) < threshold))
-      for f, i in zip(frozen, new_imp)
-    ]
-    outs = [
-      jnp.where(f, jnp.zeros_like(g), g) for g, f in zip(leaves, new_frozen)
-    ]
-    return treedef.unflatten(outs), FreezeBelowState(
-      count=_common.safe_increment(t),
-      importance=_common.stack(new_imp),
-      frozen=_common.stack(new_frozen, bool),
-    )
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return FreezeBelowConfig(threshold, decay, warmup_steps).transform()

@@ -10,6 +10,7 @@ parameter (Molchanov et al., 2019).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -19,8 +20,10 @@ import numpy as np
 import optax
 
 from grpo_optax import _common
+from grpo_optax import _mechanism
 
 __all__ = (
+  "ScaleByImportanceConfig",
   "ScaleByImportanceState",
   "per_head",
   "scale_by_importance",
@@ -174,6 +177,135 @@ def _importance_leaf(g, p, s_old, h_old, hd, ent, hyper):
   return out, s.astype(s_old.dtype), h, moments
 
 
+@dataclasses.dataclass(frozen=True)
+class ScaleByImportanceConfig(_mechanism.Config):
+  """The knobs of :func:`scale_by_importance`, validated (see its arguments).
+
+  Attributes:
+    order: 1 (first-order Taylor term) or 2 (with the diagonal Hessian).
+    decay: EMA decay of the statistics, in [0, 1).
+    min_weight: lower clip of the weights, >= 0.
+    max_weight: upper clip of the weights, >= min_weight.
+  """
+
+  order: Any = 2
+  decay: Any = 0.9
+  min_weight: Any = 0.1
+  max_weight: Any = 10.0
+
+  def __post_init__(self):
+    _static_order(self.order)
+    _common.check_range("decay", self.decay, 0.0, 1.0, high_inclusive=False)
+    _common.check_range("min_weight", self.min_weight, 0.0)
+    _common.check_range("max_weight", self.max_weight, 0.0)
+    lo, hi = (
+      _common.concrete_value(self.min_weight, "min_weight"),
+      _common.concrete_value(self.max_weight, "max_weight"),
+    )
+    if lo is not None and hi is not None and hi < lo:
+      raise ValueError(
+        f"max_weight must be >= min_weight; got {self.max_weight!r} < "
+        f"{self.min_weight!r}"
+      )
+    self._set(
+      decay=_common.f32(self.decay),
+      min_weight=_common.f32(self.min_weight),
+      max_weight=_common.f32(self.max_weight),
+    )
+
+  @property
+  def static_order(self) -> int | None:
+    """The order as a Python int, or None when traced."""
+    return _static_order(self.order)
+
+  def init(self, params):
+    static_order = self.static_order
+    return ScaleByImportanceState(
+      count=jnp.zeros([], jnp.int32),
+      hessian=None if static_order == 1 else optax.tree.zeros_like(params),
+      score=optax.tree.zeros_like(params),
+      weight_mean=jnp.ones([], jnp.float32),
+      weight_std=jnp.zeros([], jnp.float32),
+      score_std=jnp.zeros([], jnp.float32),
+    )
+
+  def update(
+    self,
+    updates,
+    state,
+    params=None,
+    *,
+    hessian_diag=None,
+    head_entropy=None,
+    **extra_args,
+  ):
+    del extra_args
+    order, decay, min_weight, max_weight = (
+      self.order,
+      self.decay,
+      self.min_weight,
+      self.max_weight,
+    )
+    static_order = self.static_order
+    _common.require_params(
+      params, "scale_by_importance", "(the Taylor score is |g * p| + h p^2 / 2)"
+    )
+    _common.check_tree_like("scale_by_importance", updates, state.score)
+    _common.check_same_structure(
+      "params", params, updates, "scale_by_importance"
+    )
+    if hessian_diag is not None:
+      _common.check_same_structure(
+        "hessian_diag", hessian_diag, updates, "scale_by_importance"
+      )
+    count_inc = _common.safe_increment(state.count)
+    bc = _common.bias_correction(decay, count_inc)
+    second = state.hessian is not None
+    # With a traced `order` (inject_hyperparams) the state still has `hessian`.
+    use_second = (
+      (jnp.asarray(order) == 2).astype(jnp.float32)
+      if (static_order is None)
+      else 1.0
+    )
+
+    g_leaves, treedef = jax.tree.flatten(updates)
+    p_leaves = treedef.flatten_up_to(params)
+    s_leaves = treedef.flatten_up_to(state.score)
+    h_leaves = (
+      treedef.flatten_up_to(state.hessian) if second else [None] * len(g_leaves)
+    )
+    hd_leaves, ent_leaves = _extra_leaves(
+      treedef, len(g_leaves), hessian_diag, head_entropy
+    )
+
+    new_h, new_s, outs = [], [], []
+    stats = _common.SampledMoments()
+    hyper = (decay, bc, use_second, min_weight, max_weight)
+    for g, p, s_old, h_old, hd, ent in zip(
+      g_leaves, p_leaves, s_leaves, h_leaves, hd_leaves, ent_leaves
+    ):
+      out, s, h, moments = _importance_leaf(
+        g, p, s_old, h_old if second else None, hd, ent, hyper
+      )
+      outs.append(out)
+      new_s.append(s)
+      if second:
+        new_h.append(h)
+      stats.add(g.size, **moments)
+    w_mean = stats.mean("w", 1.0)
+    new_state = ScaleByImportanceState(
+      count=count_inc,
+      hessian=treedef.unflatten(new_h) if second else None,
+      score=treedef.unflatten(new_s),
+      weight_mean=w_mean,
+      weight_std=jnp.sqrt(jnp.maximum(stats.mean("w2") - w_mean**2, 0.0)),
+      score_std=jnp.sqrt(
+        jnp.maximum(stats.mean("r2") - stats.mean("r") ** 2, 0.0)
+      ),
+    )
+    return treedef.unflatten(outs), new_state
+
+
 def scale_by_importance(
   order: int = 2,
   decay: float = 0.9,
@@ -243,100 +375,6 @@ def scale_by_importance(
     Michel et al., `Are Sixteen Heads Really Better than One?
     <https://arxiv.org/abs/1905.10650>`_, 2019.
   """
-  static_order = _static_order(order)
-  _common.check_range("decay", decay, 0.0, 1.0, high_inclusive=False)
-  _common.check_range("min_weight", min_weight, 0.0)
-  _common.check_range("max_weight", max_weight, 0.0)
-  lo, hi = (
-    _common.concrete_value(min_weight, "min_weight"),
-    _common.concrete_value(max_weight, "max_weight"),
-  )
-  if lo is not None and hi is not None and hi < lo:
-    raise ValueError(
-      f"max_weight must be >= min_weight; got {max_weight!r} < {min_weight!r}"
-    )
-  decay = _common.f32(decay)
-  min_weight = _common.f32(min_weight)
-  max_weight = _common.f32(max_weight)
-
-  def init_fn(params):
-    return ScaleByImportanceState(
-      count=jnp.zeros([], jnp.int32),
-      hessian=None if static_order == 1 else optax.tree.zeros_like(params),
-      score=optax.tree.zeros_like(params),
-      weight_mean=jnp.ones([], jnp.float32),
-      weight_std=jnp.zeros([], jnp.float32),
-      score_std=jnp.zeros([], jnp.float32),
-    )
-
-  def update_fn(
-    updates,
-    state,
-    params=None,
-    *,
-    hessian_diag=None,
-    head_entropy=None,
-    **extra_args,
-  ):
-    del extra_args
-    _common.require_params(
-      params, "scale_by_importance", "(the Taylor score is |g * p| + h p^2 / 2)"
-    )
-    _common.check_tree_like("scale_by_importance", updates, state.score)
-    _common.check_same_structure(
-      "params", params, updates, "scale_by_importance"
-    )
-    if hessian_diag is not None:
-      _common.check_same_structure(
-        "hessian_diag", hessian_diag, updates, "scale_by_importance"
-      )
-    count_inc = _common.safe_increment(state.count)
-    bc = _common.bias_correction(decay, count_inc)
-    second = state.hessian is not None
-    # With a traced `order` (inject_hyperparams) the state still has `hessian`.
-    use_second = (
-      (jnp.asarray(order) == 2).astype(jnp.float32)
-      if (static_order is None)
-      else 1.0
-    )
-
-    g_leaves, treedef = jax.tree.flatten(updates)
-    p_leaves = treedef.flatten_up_to(params)
-    s_leaves = treedef.flatten_up_to(state.score)
-    h_leaves = (
-      treedef.flatten_up_to(state.hessian) if second else [None] * len(g_leaves)
-    )
-    hd_leaves, ent_leaves = _extra_leaves(
-      treedef, len(g_leaves), hessian_diag, head_entropy
-    )
-
-    new_h, new_s, outs = [], [], []
-    stats = _common.SampledMoments()
-    hyper = (decay, bc, use_second, min_weight, max_weight)
-    for g, p, s_old, h_old, hd, ent in zip(
-      g_leaves, p_leaves, s_leaves, h_leaves, hd_leaves, ent_leaves
-    ):
-      out, s, h, moments = _importance_leaf(
-        g, p, s_old, h_old if second else None, hd, ent, hyper
-      )
-      outs.append(out)
-      new_s.append(s)
-      if second:
-        new_h.append(h)
-      stats.add(g.size, **moments)
-    w_mean = stats.mean("w", 1.0)
-    new_state = ScaleByImportanceState(
-      count=count_inc,
-      hessian=treedef.unflatten(new_h) if second else None,
-      score=treedef.unflatten(new_s),
-      weight_mean=w_mean,
-      weight_std=jnp.sqrt(jnp.maximum(stats.mean("w2") - w_mean**2, 0.0)),
-      score_std=jnp.sqrt(
-        jnp.maximum(stats.mean("r2") - stats.mean("r") ** 2, 0.0)
-      ),
-    )
-    return treedef.unflatten(outs), new_state
-
-  # The state's None fields (parts that are off) are empty pytrees, which
-  # optax's OptState alias (ArrayTree) does not admit.
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+  return ScaleByImportanceConfig(
+    order, decay, min_weight, max_weight
+  ).transform()

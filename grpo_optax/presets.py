@@ -1,37 +1,53 @@
-"""The ``grpo`` preset: the articles' mechanisms chained in one optimizer.
+"""The ``grpo`` preset: the articles' mechanisms in one optimizer.
 
-``grpo()`` is literally a chain of the mechanism rooms (each a public optax
-transform); the three rooms that pay for fusion -- clipping, the mask with
-error feedback and the Adam step -- run as one transform
-(:func:`grpo_optax.fused.clip_mask_adam`) that computes exactly what their
-chain computes (same state, same random draws). ``docs/design.md`` describes
-the rooms and how to add one.
+``grpo()`` is built from one table, :data:`WIRING`: each keyword is one
+field of one mechanism's config (or a switch of the preset). It builds every
+mechanism's config from it (validated, also those switched off), then runs
+the mechanisms that are on in their fixed order, either one by one (the
+chain of their public transforms, ``fused=False``) or with clipping, the mask
+and the Adam step in one transform (:func:`grpo_optax.fused.clip_mask_adam`,
+the default where the settings allow), which computes the same updates from
+the same state. The state is a :class:`GrpoState` with one field per
+mechanism in both forms. ``docs/design.md`` describes the mechanisms and
+how to add one.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
-from typing import TypeVar
-from typing import cast
+from typing import NamedTuple
 
 import numpy as np
 import optax
 
 from grpo_optax import _common
+from grpo_optax import _mechanism
 from grpo_optax import fused as fused_lib
-from grpo_optax import quantization
-from grpo_optax.clipping import clip_with_l2
-from grpo_optax.freezing import freeze_below
-from grpo_optax.importance import scale_by_importance
-from grpo_optax.momentum import scale_by_nesterov_adam_rms
-from grpo_optax.sparsify import ema_threshold_mask
-from grpo_optax.sparsify import top_k_mask
-from grpo_optax.variance import scale_by_variance_lr
+from grpo_optax.clipping import ClipWithL2Config
+from grpo_optax.clipping import ClipWithL2State
+from grpo_optax.freezing import FreezeBelowConfig
+from grpo_optax.freezing import FreezeBelowState
+from grpo_optax.importance import ScaleByImportanceConfig
+from grpo_optax.importance import ScaleByImportanceState
+from grpo_optax.momentum import ScaleByNesterovAdamRmsConfig
+from grpo_optax.momentum import ScaleByNesterovAdamRmsState
+from grpo_optax.sparsify import EmaThresholdMaskConfig
+from grpo_optax.sparsify import EmaThresholdMaskState
+from grpo_optax.sparsify import TopKMaskConfig
+from grpo_optax.sparsify import TopKMaskState
+from grpo_optax.variance import ScaleByVarianceLrConfig
+from grpo_optax.variance import ScaleByVarianceLrState
+from grpo_optax.zclip import ZClipConfig
+from grpo_optax.zclip import ZClipState
 
 __all__ = (
   "ARTICLE_DEFAULTS",
+  "GrpoState",
+  "Knob",
+  "WIRING",
   "grpo",
 )
 
@@ -50,87 +66,506 @@ ARTICLE_DEFAULTS = {
   "min_size": 0,
 }
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+#: The mechanisms' configs, by the name :data:`WIRING` uses.
+MECHANISMS: dict[str, type[_mechanism.Config]] = {
+  "zclip": ZClipConfig,
+  "clip": ClipWithL2Config,
+  "importance": ScaleByImportanceConfig,
+  "topk": TopKMaskConfig,
+  "threshold": EmaThresholdMaskConfig,
+  "adaptive": ScaleByNesterovAdamRmsConfig,
+  "variance": ScaleByVarianceLrConfig,
+  "freeze": FreezeBelowConfig,
+}
 
 
-def _refuse_adamw_mask(fn: _F) -> _F:
-  """Refuses ``mask=`` with a ``TypeError`` that names ``weight_decay_mask``.
+def _inf_if_none(value):
+  return np.inf if value is None else value
 
-  ``optax.adamw`` calls its weight-decay mask ``mask``; here a "mask" is the
-  gradient mask (``sparsify``, ``min_size``), so ``grpo`` does not take the
-  word as an alias and says which keyword is meant. The signature is
-  ``fn``'s (``functools.wraps``).
+
+def _zero_if_none(value):
+  return 0.0 if value is None else value
+
+
+def _z_or_default(value):
+  return ZClipConfig.z_threshold if value is None else value
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+  """One keyword of :func:`grpo`.
+
+  Attributes:
+    keyword: the keyword.
+    default: its default.
+    fields: the ``(mechanism, config field)`` pairs it sets (empty for a
+      switch of the preset itself: ``sparsify``, ``fused``, ...).
+    convert: maps the keyword's value to the fields' (e.g. ``max_norm=None``,
+      no clipping, is the clip config's ``inf``), or None.
+    help: one line for the docs' table and the examples' flags.
+    annotation: the type it takes, as :func:`grpo`'s signature shows it.
   """
 
-  @functools.wraps(fn)
-  def wrapper(*args, **kwargs):
-    if "mask" in kwargs:
-      raise TypeError(
-        "grpo() got an unexpected keyword argument 'mask': optax.adamw's "
-        "mask (which leaves decay) is weight_decay_mask= here, beside "
-        "weight_decay=; the gradient mask is sparsify= / min_size="
+  keyword: str
+  default: Any
+  fields: tuple[tuple[str, str], ...] = ()
+  convert: Callable[[Any], Any] | None = None
+  help: str = ""
+  annotation: str = "Any"
+
+
+# A keyword that may be None says so; the others take their default's type.
+_OPTIONAL = {
+  "zclip": "float | None",
+  "max_norm": "float | None",
+  "l2": "float | None",
+  "weight_decay": "float | None",
+  "sparsify": "str | None",
+  "frequency_weight": "float | None",
+  "filter_decay": "float | None",
+  "mu_dtype": "jax.typing.DTypeLike | None",
+  "nu_dtype": "jax.typing.DTypeLike | None",
+  "weight_decay_mask": "Any | Callable[[Any], Any] | None",
+  "mu_format": "str | None",
+  "nu_format": "str | None",
+  "accumulator_format": "str | None",
+  "variance_coef": "float | None",
+  "freeze_threshold": "float | None",
+  "fused": "bool | None",
+}
+
+
+def _k(keyword, default, *fields, convert=None, help=""):  # noqa: A002
+  pairs = tuple(tuple(f.split(".")) for f in fields)
+  annotation = _OPTIONAL.get(keyword) or (
+    type(default).__name__ if default is not None else "Any"
+  )
+  return Knob(keyword, default, pairs, convert, help, annotation)  # pyright: ignore[reportArgumentType]
+
+
+#: Every keyword of :func:`grpo`, in the order of its signature: the one
+#: source of the preset's wiring (its signature, the docs' parameter table
+#: and the examples' ``--grpo-*`` flags are built from it).
+WIRING: tuple[Knob, ...] = (
+  _k(
+    "zclip",
+    None,
+    "zclip.z_threshold",
+    convert=_z_or_default,
+    help="ZClip's z-score threshold, or None (off)",
+  ),
+  _k(
+    "zclip_alpha", 0.97, "zclip.alpha", help="EMA weight of ZClip's statistics"
+  ),
+  _k(
+    "zclip_warmup_steps",
+    25,
+    "zclip.warmup_steps",
+    help="steps whose norms only build ZClip's statistics",
+  ),
+  _k(
+    "max_norm",
+    1.0,
+    "clip.max_norm",
+    convert=_inf_if_none,
+    help="global-norm bound, or None (no clipping)",
+  ),
+  _k("l2", None, "clip.l2", help="coupled L2 coefficient, or None (off)"),
+  _k(
+    "weight_decay", None, help="decoupled weight decay (optax.adamw's), or None"
+  ),
+  _k("weight_decay_mask", None, help="leaves that decay (optax.adamw's mask)"),
+  _k("importance", False, help="Taylor importance weighting on/off"),
+  _k(
+    "importance_order",
+    2,
+    "importance.order",
+    help="1 or 2 (with the Fisher diagonal)",
+  ),
+  _k(
+    "importance_decay",
+    0.9,
+    "importance.decay",
+    help="EMA decay of the importance",
+  ),
+  _k(
+    "importance_placement",
+    "input",
+    help="'input' (before the adaptive step) or 'output' (after it)",
+  ),
+  _k(
+    "min_weight", 0.1, "importance.min_weight", help="lower clip of the weights"
+  ),
+  _k(
+    "max_weight",
+    10.0,
+    "importance.max_weight",
+    help="upper clip of the weights",
+  ),
+  _k("sparsify", "topk", help="'topk', 'threshold' or None (dense)"),
+  _k("fraction", 0.3, "topk.fraction", help="kept fraction of the top-k mask"),
+  _k("topk_method", "sampled", "topk.method", help="'sampled' or 'exact'"),
+  _k(
+    "error_feedback",
+    True,
+    "topk.error_feedback",
+    "threshold.error_feedback",
+    help="carry the masked-out part to the next step",
+  ),
+  _k(
+    "frequency_weight",
+    None,
+    "topk.frequency_weight",
+    help="weight of the update-frequency term of the score, or None",
+  ),
+  _k(
+    "min_size",
+    1024,
+    "topk.min_size",
+    "threshold.min_size",
+    help="leaves smaller than this are not sparsified",
+  ),
+  _k(
+    "sparsify_warmup_steps",
+    0,
+    "topk.warmup_steps",
+    help="exponential warm-up of the kept fraction",
+  ),
+  _k("alpha", 0.7, "threshold.alpha", help="EMA weight of the threshold mask"),
+  _k("every", 100, "threshold.every", help="refresh period of the threshold"),
+  _k(
+    "threshold_scale",
+    1.0,
+    "threshold.scale",
+    help="multiplier of the threshold",
+  ),
+  _k("adaptive", True, help="the Nesterov + Adam/RMSProp step on/off"),
+  _k("b1", 0.9, "adaptive.b1", help="first-moment decay"),
+  _k("b2", 0.999, "adaptive.b2", help="second-moment decay"),
+  _k("eps", 1e-8, "adaptive.eps", help="denominator epsilon"),
+  _k(
+    "eps_root", 0.0, "adaptive.eps_root", help="epsilon inside the square root"
+  ),
+  _k(
+    "adam_weight",
+    1.0,
+    "adaptive.adam_weight",
+    help="weight of Adam in the Adam/RMSProp mix",
+  ),
+  _k("nesterov", True, "adaptive.nesterov", help="Nesterov look-ahead"),
+  _k(
+    "rms_bias_correction",
+    False,
+    "adaptive.rms_bias_correction",
+    help="bias-correct the RMSProp part",
+  ),
+  _k(
+    "filter_decay",
+    None,
+    "adaptive.filter_decay",
+    help="decay of the noise filter, or None",
+  ),
+  _k("mu_dtype", None, "adaptive.mu_dtype", help="dtype of the first moment"),
+  _k("nu_dtype", None, "adaptive.nu_dtype", help="dtype of the second moment"),
+  _k(
+    "mu_format",
+    None,
+    "adaptive.mu_format",
+    help="storage of the first moment ('int8', 'bfloat16', ...)",
+  ),
+  _k(
+    "nu_format",
+    None,
+    "adaptive.nu_format",
+    help="storage of the second moment ('uint8', 'bfloat16', ...)",
+  ),
+  _k(
+    "accumulator_format",
+    None,
+    "topk.accumulator_format",
+    "threshold.accumulator_format",
+    help="storage of the error-feedback accumulator ('int8_sr', ...)",
+  ),
+  _k(
+    "variance_coef",
+    None,
+    "variance.coef",
+    convert=_zero_if_none,
+    help="coefficient of the variance rate, or None (off)",
+  ),
+  _k(
+    "variance_decay", 0.99, "variance.decay", help="EMA decay of the variance"
+  ),
+  _k(
+    "variance_reduction",
+    "leaf",
+    "variance.reduction",
+    help="'element', 'leaf' or 'global'",
+  ),
+  _k(
+    "variance_normalize",
+    False,
+    "variance.normalize",
+    help="divide the variance by the second moment",
+  ),
+  _k("variance_eps", 1e-12, "variance.eps", help="added to that normaliser"),
+  _k(
+    "freeze_threshold",
+    None,
+    "freeze.threshold",
+    convert=_zero_if_none,
+    help="freezing threshold, or None (off)",
+  ),
+  _k(
+    "freeze_decay",
+    0.9,
+    "freeze.decay",
+    help="EMA decay of the freezing importance",
+  ),
+  _k(
+    "freeze_warmup_steps",
+    100,
+    "freeze.warmup_steps",
+    help="steps before any leaf may freeze",
+  ),
+  _k(
+    "seed",
+    0,
+    "topk.seed",
+    "threshold.seed",
+    help="seed of the sampled top-k and of the accumulator's rounding",
+  ),
+  _k("fused", None, help="None (the fused core where possible), True or False"),
+)
+
+
+class GrpoState(NamedTuple):
+  """State of :func:`grpo`: each mechanism's own state (None when off), in
+  the order they act; the same structure for ``fused=True`` and
+  ``fused=False``.
+
+  Attributes:
+    zclip: :class:`ZClipState` (``zclip=``), or None.
+    clip: :class:`ClipWithL2State` (``max_norm=`` or ``l2=``), or None.
+    importance: :class:`ScaleByImportanceState` (``importance=True``), or
+      None.
+    mask: :class:`TopKMaskState` or :class:`EmaThresholdMaskState`
+      (``sparsify=``), or None.
+    adaptive: :class:`ScaleByNesterovAdamRmsState` (``adaptive=True``), or
+      None.
+    variance: :class:`ScaleByVarianceLrState` (``variance_coef=``), or None.
+    decay: ``optax.add_decayed_weights``' state (``weight_decay=``), or None.
+    schedule: ``optax.scale_by_learning_rate``'s state (a step count with a
+      schedule).
+    freeze: :class:`FreezeBelowState` (``freeze_threshold=``), or None.
+  """
+
+  zclip: ZClipState | None
+  clip: ClipWithL2State | None
+  importance: ScaleByImportanceState | None
+  mask: TopKMaskState | EmaThresholdMaskState | None
+  adaptive: ScaleByNesterovAdamRmsState | None
+  variance: ScaleByVarianceLrState | None
+  decay: Any
+  schedule: Any
+  freeze: FreezeBelowState | None
+
+
+def _signature() -> inspect.Signature:
+  keyword_only = inspect.Parameter.KEYWORD_ONLY
+  return inspect.Signature(
+    [
+      inspect.Parameter(
+        "learning_rate",
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        default=1e-3,
+        annotation="float | optax.Schedule",
       )
-    return fn(*args, **kwargs)
+    ]
+    + [
+      inspect.Parameter(
+        k.keyword, keyword_only, default=k.default, annotation=k.annotation
+      )
+      for k in WIRING
+    ],
+    return_annotation="optax.GradientTransformationExtraArgs",
+  )
 
-  return cast(_F, wrapper)
+
+def _configs(values: dict[str, Any]) -> dict[str, _mechanism.Config]:
+  """Every mechanism's config from the keywords' values (validated; an
+  error names the preset's keyword, not the config's field).
+  """
+  fields: dict[str, dict[str, tuple[str, Any]]] = {m: {} for m in MECHANISMS}
+  for knob in WIRING:
+    value = values[knob.keyword]
+    if knob.convert is not None:
+      value = knob.convert(value)
+    for mechanism, field in knob.fields:
+      fields[mechanism][field] = (knob.keyword, value)
+  return {
+    name: _build(config_class, fields[name])
+    for name, config_class in MECHANISMS.items()
+  }
 
 
-@_refuse_adamw_mask
-def grpo(
-  learning_rate: float | optax.Schedule = 1e-3,
-  *,
-  max_norm: float | None = 1.0,
-  l2: float | None = None,
-  weight_decay: float | None = None,
-  weight_decay_mask: Any = None,
-  importance: bool = False,
-  importance_order: int = 2,
-  importance_decay: float = 0.9,
-  importance_placement: str = "input",
-  min_weight: float = 0.1,
-  max_weight: float = 10.0,
-  sparsify: str | None = "topk",
-  fraction: float = 0.3,
-  topk_method: str = "sampled",
-  error_feedback: bool = True,
-  frequency_weight: float | None = None,
-  min_size: int = 1024,
-  sparsify_warmup_steps: int = 0,
-  alpha: float = 0.7,
-  every: int = 100,
-  threshold_scale: float = 1.0,
-  adaptive: bool = True,
-  b1: float = 0.9,
-  b2: float = 0.999,
-  eps: float = 1e-8,
-  eps_root: float = 0.0,
-  adam_weight: float = 1.0,
-  nesterov: bool = True,
-  rms_bias_correction: bool = False,
-  filter_decay: float | None = None,
-  mu_dtype: Any | None = None,
-  nu_dtype: Any | None = None,
-  mu_format: Any | None = None,
-  nu_format: Any | None = None,
-  accumulator_format: str | None = None,
-  variance_coef: float | None = None,
-  variance_decay: float = 0.99,
-  variance_reduction: str = "leaf",
-  variance_normalize: bool = False,
-  variance_eps: float = 1e-12,
-  freeze_threshold: float | None = None,
-  freeze_decay: float = 0.9,
-  freeze_warmup_steps: int = 100,
-  seed: int = 0,
-  fused: bool | None = None,
-) -> optax.GradientTransformationExtraArgs:
+def _build(config_class, named: dict[str, tuple[str, Any]]):
+  """``config_class(**values)``; errors name the preset's keyword."""
+  try:
+    return config_class(**{f: v for f, (_, v) in named.items()})
+  except (ValueError, TypeError) as e:
+    msg = str(e)
+    for field, (keyword, _) in named.items():
+      if msg.startswith(field + " ") and field != keyword:
+        msg = keyword + msg[len(field) :]
+        break
+    raise type(e)(f"grpo: {msg}") from None
+
+
+def _check_switches(values: dict[str, Any]) -> None:
+  _common.check_choice("grpo: sparsify", values["sparsify"], SPARSIFIERS)
+  _common.check_choice(
+    "grpo: importance_placement", values["importance_placement"], PLACEMENTS
+  )
+  for name in ("importance", "adaptive"):
+    _common.check_bool(f"grpo: {name}", values[name])
+  _common.check_bool("grpo: fused", values["fused"], allow_none=True)
+  lr = values["learning_rate"]
+  if not callable(lr):
+    _common.check_number(
+      "grpo: learning_rate",
+      lr,
+      kind=f"{_common.NUMBER} or an optax schedule",
+    )
+    v = _common.concrete_value(lr)
+    if v is not None and not v >= 0:
+      raise ValueError(
+        f"grpo: learning_rate must be in [0, inf) (a positive step size; "
+        f"the sign is applied inside); got {lr!r}"
+      )
+  if values["weight_decay"] is not None:
+    _common.check_range("grpo: weight_decay", values["weight_decay"], 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+  """A transform of the preset and the :class:`GrpoState` fields it owns (a
+  single field, or the fused core's three).
+  """
+
+  fields: tuple[str | None, ...]
+  tx: Any
+
+  def __post_init__(self):
+    # optax's own transforms take no extra arguments (optax.chain wraps them
+    # the same way).
+    object.__setattr__(self, "tx", optax.with_extra_args_support(self.tx))
+
+
+def _core_stages(values, cfgs) -> list[_Stage]:
+  """Clip, importance (input), mask and Adam: fused where allowed."""
+  clip = (
+    cfgs["clip"]
+    if values["max_norm"] is not None or values["l2"] is not None
+    else None
+  )
+  imp_in = values["importance"] and values["importance_placement"] == "input"
+  mask = cfgs[values["sparsify"]] if values["sparsify"] is not None else None
+  adam = cfgs["adaptive"] if values["adaptive"] else None
+  blockers = fused_lib.fusable(mask, adam)
+  if values["fused"] and blockers:
+    raise ValueError(
+      f"grpo: fused=True cannot honour {', '.join(blockers)} (the fused "
+      "core covers clipping, the sampled top-k / EMA threshold and the Adam "
+      "step); use fused=None or fused=False"
+    )
+  stages = []
+  if not blockers and values["fused"] is not False:
+    assert adam is not None  # no blocker: adaptive is on
+    if imp_in:  # the fused core cannot span the importance weights
+      if clip is not None:
+        stages.append(_Stage(("clip",), clip.transform()))
+      stages.append(_Stage(("importance",), cfgs["importance"].transform()))
+      clip = None
+    core = fused_lib.clip_mask_adam(clip=clip, mask=mask, adam=adam)
+    owned = ("clip" if clip is not None else None, "mask", "adaptive")
+    return stages + [_Stage(owned, core)]
+  for on, field, cfg in (
+    (clip is not None, "clip", clip),
+    (imp_in, "importance", cfgs["importance"]),
+    (mask is not None, "mask", mask),
+    (adam is not None, "adaptive", adam),
+  ):
+    if on:
+      stages.append(_Stage((field,), cfg.transform()))
+  return stages
+
+
+def _stages(values: dict[str, Any]) -> list[_Stage]:
+  cfgs = _configs(values)
+  stages = []
+  if values["zclip"] is not None:
+    stages.append(_Stage(("zclip",), cfgs["zclip"].transform()))
+  stages += _core_stages(values, cfgs)
+  if values["importance"] and values["importance_placement"] == "output":
+    stages.append(_Stage(("importance",), cfgs["importance"].transform()))
+  if values["variance_coef"] is not None:
+    stages.append(_Stage(("variance",), cfgs["variance"].transform()))
+  if values["weight_decay"] is not None:
+    decay = optax.add_decayed_weights(
+      values["weight_decay"], values["weight_decay_mask"]
+    )
+    stages.append(_Stage(("decay",), decay))
+  lr = optax.scale_by_learning_rate(values["learning_rate"])
+  stages.append(_Stage(("schedule",), lr))
+  if values["freeze_threshold"] is not None:
+    stages.append(_Stage(("freeze",), cfgs["freeze"].transform()))
+  return stages
+
+
+def _compose(stages: list[_Stage]) -> optax.GradientTransformationExtraArgs:
+  """The stages in order over one :class:`GrpoState` (a fused stage owns the
+  non-None names of its ``fields``, aligned with ``FusedState``'s).
+  """
+  empty = dict.fromkeys(GrpoState._fields)
+
+  def _write(fields, stage, state):
+    if len(stage.fields) == 1:
+      fields[stage.fields[0]] = state
+    else:
+      fields.update((f, x) for f, x in zip(stage.fields, state) if f)
+
+  def init_fn(params):
+    fields = dict(empty)
+    for stage in stages:
+      _write(fields, stage, stage.tx.init(params))
+    return GrpoState(**fields)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    fields = state._asdict()
+    for stage in stages:
+      if len(stage.fields) == 1:
+        sub = fields[stage.fields[0]]
+      else:
+        sub = fused_lib.FusedState(
+          *(fields[f] if f else None for f in stage.fields)
+        )
+      updates, sub = stage.tx.update(updates, sub, params, **extra_args)
+      _write(fields, stage, sub)
+    return updates, GrpoState(**fields)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+
+
+def grpo(learning_rate=1e-3, **kwargs) -> optax.GradientTransformationExtraArgs:
   r"""The GRPO optimizer: the articles' mechanisms as one optax transform.
 
   The mechanisms, in the order they act (each can be switched off):
 
   .. code-block:: text
 
-    clip_with_l2(max_norm, l2)                       # None: off (l2 = 0)
+    zclip(z_threshold, alpha, warmup_steps)          # zclip=None: off
+    -> clip_with_l2(max_norm, l2)                    # None: off (l2 = 0)
     -> scale_by_importance(order, decay, ...)        # importance=False: off
     -> top_k_mask | ema_threshold_mask               # sparsify=None: off
     -> scale_by_nesterov_adam_rms(b1, b2, ...)       # adaptive=False: off
@@ -138,6 +573,13 @@ def grpo(
     -> scale_by_variance_lr(coef, decay, ...)        # variance_coef=None: off
     -> scale_by_learning_rate(learning_rate)
     -> freeze_below(threshold, ...)                  # freeze_threshold=None: off
+
+  Every keyword is one field of one mechanism's config
+  (:data:`grpo_optax.presets.WIRING`, the one table that the docs'
+  parameter table and the examples' flags also read). The state is a
+  :class:`GrpoState` with one field per mechanism (None when off), the same
+  for both forms below, so a run checkpointed with one continues with the
+  other.
 
   It is one algorithm whatever the form: with ``fused=None`` (default)
   clipping, the mask and the Adam step run as one transform
@@ -237,7 +679,13 @@ def grpo(
     freeze_threshold: freezing threshold, or None for no freezing.
     freeze_decay: EMA decay of the freezing importance.
     freeze_warmup_steps: steps before any leaf may freeze.
-    seed: seed of the sampled top-k threshold.
+    seed: seed of the sampled top-k threshold (and of the accumulator's
+      stochastic rounding).
+    zclip: z-score threshold of ZClip (:func:`grpo_optax.zclip`), or None
+      (off): gradient-norm spikes above ``mean + zclip * std`` of the
+      norms' EMAs are scaled down to that bound, before clipping.
+    zclip_alpha: EMA weight of ZClip's statistics.
+    zclip_warmup_steps: steps whose norms only build ZClip's statistics.
     fused: None (default: the fused core where the settings allow), True
       (require it) or False (the chain of the rooms); same updates.
 
@@ -257,305 +705,50 @@ def grpo(
   References:
     See the stages' docstrings.
   """
-  _common.check_choice("grpo: sparsify", sparsify, SPARSIFIERS)
-  _common.check_choice(
-    "grpo: importance_placement", importance_placement, PLACEMENTS
+  return _compose(_stages(_values(learning_rate, kwargs)))
+
+
+def _values(learning_rate, kwargs: dict[str, Any]) -> dict[str, Any]:
+  """Every keyword's value (the given or the default), checked: a keyword
+  that is not in :data:`WIRING` is refused.
+  """
+  known = {k.keyword for k in WIRING}
+  unknown = sorted(set(kwargs) - known)
+  if "mask" in unknown:
+    raise TypeError(
+      "grpo() got an unexpected keyword argument 'mask': optax.adamw's "
+      "mask (which leaves decay) is weight_decay_mask= here, beside "
+      "weight_decay=; the gradient mask is sparsify= / min_size="
+    )
+  if unknown:
+    raise TypeError(
+      f"grpo() got an unexpected keyword argument {unknown[0]!r} (the "
+      "keywords are grpo_optax.presets.WIRING's)"
+    )
+  values = {k.keyword: kwargs.get(k.keyword, k.default) for k in WIRING}
+  values["learning_rate"] = learning_rate
+  _check_switches(values)
+  return values
+
+
+def describe(learning_rate=1e-3, **kwargs) -> tuple[str, ...]:
+  """The stages ``grpo(learning_rate, **kwargs)`` runs, in order: the
+  :class:`GrpoState` field of each mechanism, or ``"fused(clip, mask,
+  adaptive)"`` for the fused core (with the fields it holds).
+
+  Examples:
+    >>> import grpo_optax
+    >>> grpo_optax.presets.describe()
+    ('fused(clip, mask, adaptive)', 'schedule')
+    >>> grpo_optax.presets.describe(fused=False)
+    ('clip', 'mask', 'adaptive', 'schedule')
+  """
+  return tuple(
+    stage.fields[0]
+    if len(stage.fields) == 1
+    else f"fused({', '.join(f for f in stage.fields if f)})"
+    for stage in _stages(_values(learning_rate, kwargs))
   )
-  for name, value in (
-    ("importance", importance),
-    ("adaptive", adaptive),
-    ("rms_bias_correction", rms_bias_correction),
-  ):
-    _common.check_bool(f"grpo: {name}", value)
-  _common.check_bool("grpo: fused", fused, allow_none=True)
-  _check_learning_rate(learning_rate)
-  if weight_decay is not None:
-    _common.check_range("grpo: weight_decay", weight_decay, 0.0)
-  rooms = _rooms(**locals())
-  blockers = [
-    name
-    for name, on in (
-      ("topk_method='exact'", sparsify == "topk" and topk_method == "exact"),
-      ("frequency_weight", sparsify == "topk" and frequency_weight is not None),
-      ("filter_decay", filter_decay is not None),
-      (
-        "a stochastic mu_format/nu_format",
-        any(
-          f is not None and quantization.state_format(f).stochastic
-          for f in (mu_format, nu_format)
-        ),
-      ),
-      ("adaptive=False", not adaptive),
-    )
-    if on
-  ]
-  if fused and blockers:
-    raise ValueError(
-      f"grpo: fused=True cannot honour {', '.join(blockers)} (the fused "
-      "core covers clipping, the sampled top-k / EMA threshold and the Adam "
-      "step); use fused=None or fused=False"
-    )
-  use_core = not blockers and fused is not False
-  clip_on = max_norm is not None or l2 is not None
-  # The fused core's arguments after its clip settings (_core's order).
-  core_args = (
-    sparsify,
-    fraction,
-    error_feedback,
-    min_size,
-    sparsify_warmup_steps,
-    seed,
-    alpha,
-    every,
-    threshold_scale,
-    b1,
-    b2,
-    eps,
-    eps_root,
-    adam_weight,
-    nesterov,
-    rms_bias_correction,
-    mu_dtype,
-    nu_dtype,
-    mu_format,
-    nu_format,
-    accumulator_format,
-  )
-  stages = []
-  if use_core and not (importance and importance_placement == "input"):
-    stages.append(_core(max_norm, l2, *core_args))
-  else:
-    if clip_on:
-      stages.append(rooms["clip"])
-    if importance and importance_placement == "input":
-      stages.append(rooms["importance"])
-    if use_core:
-      stages.append(_core(None, None, *core_args))
-    else:
-      if sparsify is not None:
-        stages.append(rooms[sparsify])
-      if adaptive:
-        stages.append(rooms["adaptive"])
-  if importance and importance_placement == "output":
-    stages.append(rooms["importance"])
-  if variance_coef is not None:
-    stages.append(rooms["variance"])
-  if weight_decay is not None:
-    stages.append(optax.add_decayed_weights(weight_decay, weight_decay_mask))
-  stages.append(optax.scale_by_learning_rate(learning_rate))
-  if freeze_threshold is not None:
-    stages.append(rooms["freeze"])
-  return optax.chain(*stages)
 
 
-def _check_learning_rate(learning_rate) -> None:
-  if callable(learning_rate):
-    return
-  _common.check_number(
-    "grpo: learning_rate",
-    learning_rate,
-    kind=f"{_common.NUMBER} or an optax schedule",
-  )
-  v = _common.concrete_value(learning_rate)
-  if v is not None and not v >= 0:
-    raise ValueError(
-      f"grpo: learning_rate must be in [0, inf) (a positive step size; "
-      f"the sign is applied inside); got {learning_rate!r}"
-    )
-
-
-def _rooms(
-  *,
-  max_norm,
-  l2,
-  importance_order,
-  importance_decay,
-  min_weight,
-  max_weight,
-  fraction,
-  error_feedback,
-  topk_method,
-  frequency_weight,
-  min_size,
-  sparsify_warmup_steps,
-  seed,
-  alpha,
-  every,
-  threshold_scale,
-  b1,
-  b2,
-  eps,
-  eps_root,
-  adam_weight,
-  nesterov,
-  rms_bias_correction,
-  filter_decay,
-  mu_dtype,
-  nu_dtype,
-  mu_format,
-  nu_format,
-  accumulator_format,
-  variance_coef,
-  variance_decay,
-  variance_eps,
-  variance_reduction,
-  variance_normalize,
-  freeze_threshold,
-  freeze_decay,
-  freeze_warmup_steps,
-  **_,
-):
-  """Every room, validated (also those switched off), by name."""
-  return {
-    "clip": _stage(
-      clip_with_l2,
-      max_norm=("max_norm", np.inf if max_norm is None else max_norm),
-      l2=("l2", l2),
-    ),
-    "importance": _stage(
-      scale_by_importance,
-      order=("importance_order", importance_order),
-      decay=("importance_decay", importance_decay),
-      min_weight=("min_weight", min_weight),
-      max_weight=("max_weight", max_weight),
-    ),
-    "topk": _stage(
-      top_k_mask,
-      fraction=("fraction", fraction),
-      error_feedback=("error_feedback", error_feedback),
-      method=("topk_method", topk_method),
-      frequency_weight=("frequency_weight", frequency_weight),
-      min_size=("min_size", min_size),
-      warmup_steps=("sparsify_warmup_steps", sparsify_warmup_steps),
-      seed=("seed", seed),
-      accumulator_format=("accumulator_format", accumulator_format),
-    ),
-    "threshold": _stage(
-      ema_threshold_mask,
-      alpha=("alpha", alpha),
-      every=("every", every),
-      scale=("threshold_scale", threshold_scale),
-      error_feedback=("error_feedback", error_feedback),
-      min_size=("min_size", min_size),
-      seed=("seed", seed),
-      accumulator_format=("accumulator_format", accumulator_format),
-    ),
-    "adaptive": _stage(
-      scale_by_nesterov_adam_rms,
-      b1=("b1", b1),
-      b2=("b2", b2),
-      eps=("eps", eps),
-      eps_root=("eps_root", eps_root),
-      adam_weight=("adam_weight", adam_weight),
-      nesterov=("nesterov", nesterov),
-      rms_bias_correction=("rms_bias_correction", rms_bias_correction),
-      filter_decay=("filter_decay", filter_decay),
-      mu_dtype=("mu_dtype", mu_dtype),
-      nu_dtype=("nu_dtype", nu_dtype),
-      mu_format=("mu_format", mu_format),
-      nu_format=("nu_format", nu_format),
-    ),
-    "variance": _stage(
-      scale_by_variance_lr,
-      coef=("variance_coef", 0.0 if variance_coef is None else variance_coef),
-      decay=("variance_decay", variance_decay),
-      eps=("variance_eps", variance_eps),
-      reduction=("variance_reduction", variance_reduction),
-      normalize=("variance_normalize", variance_normalize),
-    ),
-    "freeze": _stage(
-      freeze_below,
-      threshold=(
-        "freeze_threshold",
-        0.0 if freeze_threshold is None else freeze_threshold,
-      ),
-      decay=("freeze_decay", freeze_decay),
-      warmup_steps=("freeze_warmup_steps", freeze_warmup_steps),
-    ),
-  }
-
-
-def _core(
-  max_norm,
-  l2,
-  sparsify,
-  fraction,
-  error_feedback,
-  min_size,
-  warmup_steps,
-  seed,
-  alpha,
-  every,
-  threshold_scale,
-  b1,
-  b2,
-  eps,
-  eps_root,
-  adam_weight,
-  nesterov,
-  rms_bias_correction,
-  mu_dtype,
-  nu_dtype,
-  mu_format=None,
-  nu_format=None,
-  accumulator_format=None,
-) -> optax.GradientTransformationExtraArgs:
-  """The fused clip + mask + Adam core (arguments validated by _rooms)."""
-  f32 = _common.f32
-  clip = None
-  if max_norm is not None or l2 is not None:
-    l2_on = l2 is not None and not _common.is_static_zero(l2)
-    clip = fused_lib._Clip(  # pylint: disable=protected-access
-      max_norm=f32(np.inf if max_norm is None else max_norm),
-      l2=f32(l2) if l2_on else None,
-    )
-  mask = None
-  if sparsify is not None:
-    mask = fused_lib._Mask(  # pylint: disable=protected-access
-      kind=sparsify,
-      fraction=f32(fraction),
-      error_feedback=error_feedback,
-      min_size=min_size,
-      warmup_steps=warmup_steps,
-      seed=seed,
-      alpha=f32(alpha),
-      every=every,
-      scale=f32(threshold_scale),
-      accumulator_format=(
-        None
-        if accumulator_format is None
-        else quantization.state_format(accumulator_format)
-      ),
-    )
-  adam = fused_lib._Adam(  # pylint: disable=protected-access
-    b1=f32(b1),
-    b2=f32(b2),
-    eps=f32(eps),
-    eps_root=f32(eps_root),
-    adam_weight=f32(adam_weight),
-    nesterov=nesterov,
-    rms_bias_correction=rms_bias_correction,
-    mu_dtype=mu_dtype,
-    nu_dtype=nu_dtype,
-    mu_format=None
-    if mu_format is None
-    else quantization.state_format(mu_format),
-    nu_format=None
-    if nu_format is None
-    else quantization.state_format(nu_format),
-  )
-  return fused_lib.clip_mask_adam(clip=clip, mask=mask, adam=adam)
-
-
-def _stage(factory, **named_args):
-  """Builds a stage; errors name the preset's argument, not the stage's."""
-  kwargs = {k: v for k, (_, v) in named_args.items()}
-  try:
-    return factory(**kwargs)
-  except (ValueError, TypeError) as e:
-    msg = str(e)
-    for inner, (outer, _) in named_args.items():
-      if msg.startswith(inner + " ") and inner != outer:
-        msg = outer + msg[len(inner) :]
-        break
-    raise type(e)(f"grpo: {msg}") from None
+grpo.__signature__ = _signature()  # pyright: ignore[reportFunctionMemberAccess]

@@ -31,11 +31,11 @@ are scalar all-reduces.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import Any
 from typing import NamedTuple
-from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -43,9 +43,12 @@ import numpy as np
 import optax
 
 from grpo_optax import _common
+from grpo_optax import _mechanism
 from grpo_optax import quantization
 
 __all__ = (
+  "EmaThresholdMaskConfig",
+  "TopKMaskConfig",
   "EmaThresholdMaskState",
   "TopKMaskState",
   "ema_threshold_mask",
@@ -397,7 +400,7 @@ def _varying_like(value: jax.Array, *xs) -> jax.Array:
   """
   axes: set = set()
   for x in xs:
-    axes |= set(getattr(jax.typeof(x), "vma", ()) or ())
+    axes |= _common.varying_axes(x)
   if not axes:
     return value
   return jax.lax.pcast(value, tuple(sorted(axes)), to="varying")
@@ -787,6 +790,243 @@ def _score_path(leaves, accs, thresholds, dense, score_args):
   return a_leaves, keeps, _common.stack(kept)
 
 
+@dataclasses.dataclass(frozen=True)
+class TopKMaskConfig(_mechanism.Config):
+  """The knobs of :func:`top_k_mask`, validated (see its arguments).
+
+  Attributes:
+    fraction: kept fraction, in (0, 1].
+    error_feedback: carry the masked-out part to the next step.
+    method: ``"exact"`` or ``"sampled"``.
+    frequency_weight: ``b`` in [0, 1], or None (off, no buffer).
+    min_size: leaves smaller than this pass dense, int >= 0.
+    warmup_steps: length of the sparsity warm-up, int >= 0.
+    frequency_decay: EMA decay of the kept indicator, in [0, 1).
+    seed: seed of the sample's offsets and of the accumulator's rounding.
+    accumulator_format: the accumulator's storage (a
+      :class:`~grpo_optax.quantization.StateFormat`, or None).
+  """
+
+  fraction: Any = 0.3
+  error_feedback: bool = True
+  method: str = "exact"
+  frequency_weight: Any = None
+  min_size: Any = 0
+  warmup_steps: Any = 0
+  frequency_decay: Any = 0.9
+  seed: Any = 0
+  accumulator_format: Any = None
+  _given_fraction: Any = dataclasses.field(
+    default=None, init=False, repr=False, compare=False
+  )
+
+  def __post_init__(self):
+    _common.check_range(
+      "fraction", self.fraction, 0.0, 1.0, low_inclusive=False
+    )
+    _common.check_choice("method", self.method, METHODS)
+    if self.frequency_weight is not None:
+      _common.check_range("frequency_weight", self.frequency_weight, 0.0, 1.0)
+    _common.check_range(
+      "frequency_decay", self.frequency_decay, 0.0, 1.0, high_inclusive=False
+    )
+    static_int("min_size", self.min_size, 0)
+    static_int("warmup_steps", self.warmup_steps, 0)
+    static_int("seed", self.seed, 0)
+    _common.check_bool("error_feedback", self.error_feedback)
+    self._set(
+      # k = ceil(fraction n) from the fraction as given: in float32, 0.3
+      # is 0.30000001 and ceil(0.3f * 1000) is 301.
+      _given_fraction=_common.concrete_value(self.fraction),
+      accumulator_format=check_accumulator_format(self.accumulator_format),
+      fraction=_common.f32(self.fraction),
+      frequency_weight=_common.f32(self.frequency_weight),
+      frequency_decay=_common.f32(self.frequency_decay),
+    )
+
+  @property
+  def by_threshold(self) -> bool:
+    """Whether the mask is a threshold on ``|a|`` (the sampled top-k)."""
+    return self.method == "sampled" and self.frequency_weight is None
+
+  @property
+  def static_fraction(self) -> float | None:
+    """The kept fraction as a Python float when it is static (no warm-up,
+    not traced), else None.
+    """
+    if static_int("warmup_steps", self.warmup_steps, 0) != 0:
+      return None
+    return self._given_fraction
+
+  def init(self, params):
+    (error_feedback, use_frequency, by_threshold, acc_fmt) = (
+      self.error_feedback,
+      self.frequency_weight is not None,
+      self.by_threshold,
+      self.accumulator_format,
+    )
+    return TopKMaskState(
+      count=jnp.zeros([], jnp.int32),
+      accumulator=(
+        init_accumulator(params, acc_fmt) if error_feedback else None
+      ),
+      thresholds=_scalars(params),
+      frequency=(
+        optax.tree.zeros_like(params, dtype=jnp.float32)
+        if use_frequency
+        else None
+      ),
+      kept_fraction=(
+        None if error_feedback and by_threshold else jnp.ones([], jnp.float32)
+      ),
+    )
+
+  def update(self, updates, state, params=None, **extra_args):
+    del params, extra_args
+    leaves, treedef = jax.tree.flatten(updates)
+    _check_leaves("top_k_mask", state, updates, leaves)
+    if self.by_threshold:
+      a_leaves, thr, new_state = self.threshold_phase(leaves, state, treedef)
+      return treedef.unflatten(
+        _masked_outputs(a_leaves, thr, state, treedef)
+      ), new_state
+    return self._score_update(leaves, state, treedef)
+
+  def threshold_phase(self, leaves, state, treedef):
+    """The sampled top-k up to its thresholds: ``(a_leaves, thresholds,
+    new_state)``, with ``a`` the accumulated (and stored) gradients and one
+    threshold scalar per masked leaf (None on a leaf that passes dense).
+    The fused core of :func:`grpo_optax.grpo` calls it too.
+    """
+    t = state.count
+    dense = [dense_leaf(g.size, self.min_size) for g in leaves]
+    a_leaves, stored = _accumulated(self, leaves, state, treedef, dense)
+    frac = warmup_fraction(self.fraction, self.warmup_steps, t)
+    found = topk_leaf_thresholds(a_leaves, dense, frac, self.seed, t)
+    return (
+      a_leaves,
+      found.leaves,
+      TopKMaskState(
+        count=_common.safe_increment(t),
+        accumulator=stored,
+        thresholds=found.vector + 0 * state.thresholds,
+        frequency=None,
+        kept_fraction=_kept(state, found.kept, leaves),
+      ),
+    )
+
+  def _score_update(self, leaves, state, treedef):
+    """The exact or frequency-weighted top-k (the accumulator holds the
+    residual, threshold :data:`RESIDUAL_ONLY`).
+    """
+    t = state.count
+    n = len(leaves)
+    accs = _read_or_none(self, state, treedef, n)
+    freq = _flat_or_none(state.frequency, treedef, n)
+    dense = [dense_leaf(g.size, self.min_size) for g in leaves]
+    frac = warmup_fraction(self.fraction, self.warmup_steps, t)
+    a_leaves, keeps, kept = _score_path(
+      leaves,
+      accs,
+      state.thresholds,
+      dense,
+      (
+        frac,
+        self.method,
+        self.static_fraction,
+        freq,
+        self.frequency_weight,
+        self.seed,
+        t,
+      ),
+    )
+    outs, residuals = [], []
+    for a, keep, acc in zip(a_leaves, keeps, accs):
+      out, res = split_by_mask(a, keep)
+      outs.append(out if acc is None else out.astype(_out_dtype(a, acc)))
+      residuals.append(res)
+    stored = None
+    if self.error_feedback:
+      stored, _ = store_accumulator(
+        residuals,
+        state.accumulator,
+        treedef,
+        dense,
+        self.accumulator_format,
+        accumulator_word(self.seed, t),
+      )
+    new_freq = None
+    if self.frequency_weight is not None:
+      new_freq = treedef.unflatten(
+        [
+          _common.ema(f, k, self.frequency_decay).astype(jnp.float32)
+          for f, k in zip(freq, keeps)
+        ]
+      )
+    return treedef.unflatten(outs), TopKMaskState(
+      count=_common.safe_increment(t),
+      accumulator=stored,
+      thresholds=0 * state.thresholds + RESIDUAL_ONLY,
+      frequency=new_freq,
+      kept_fraction=_kept(state, kept, leaves),
+    )
+
+
+def _read_or_none(cfg, state, treedef, n):
+  """The accumulator's leaves (decoded), or Nones without error feedback."""
+  if not cfg.error_feedback:
+    return [None] * n
+  return read_accumulator(state.accumulator, treedef)
+
+
+def _accumulated(cfg, leaves, state, treedef, dense):
+  """``(a_leaves, stored)``: the accumulated gradients as the masks read them
+  (:func:`store_accumulator`) and the new stored accumulator (None without
+  error feedback).
+  """
+  accs = _read_or_none(cfg, state, treedef, len(leaves))
+  a_leaves = accumulate_leaves(leaves, accs, state.thresholds, dense)
+  if not cfg.error_feedback:
+    return a_leaves, None
+  stored, a_leaves = store_accumulator(
+    a_leaves,
+    state.accumulator,
+    treedef,
+    dense,
+    cfg.accumulator_format,
+    accumulator_word(cfg.seed, state.count),
+  )
+  return a_leaves, stored
+
+
+def _kept(state, kept, leaves):
+  """The state's kept fraction (None where the state keeps none)."""
+  if state.kept_fraction is None or kept is None:
+    return None
+  sizes = [g.size for g in leaves]
+  return size_weighted_vector(kept, sizes) + 0 * state.kept_fraction
+
+
+def _masked_outputs(a_leaves, thresholds, state, treedef):
+  """The masks' outputs: ``a`` where ``|a| >= threshold`` (all of ``a`` on a
+  dense leaf), in optax's dtype (the gradient's promoted with the
+  accumulator's).
+  """
+  n = len(a_leaves)
+  stored = state.accumulator
+  if stored is None:
+    dtypes = [None] * n
+  elif _stored_format(stored) is None:
+    dtypes = [jnp.result_type(x) for x in treedef.flatten_up_to(stored)]
+  else:  # decoded to float32
+    dtypes = [jnp.dtype(jnp.float32)] * n
+  outs = []
+  for a, th, d in zip(a_leaves, thresholds, dtypes):
+    out = a if th is None else masked_part(a, th)
+    outs.append(out if d is None else out.astype(jnp.promote_types(a.dtype, d)))
+  return outs
+
+
 def top_k_mask(
   fraction: float = 0.3,
   error_feedback: bool = True,
@@ -864,127 +1104,17 @@ def top_k_mask(
     Karimireddy et al., `Error Feedback Fixes SignSGD
     <https://arxiv.org/abs/1901.09847>`_, ICML 2019.
   """
-  _common.check_range("fraction", fraction, 0.0, 1.0, low_inclusive=False)
-  _common.check_choice("method", method, METHODS)
-  if frequency_weight is not None:
-    _common.check_range("frequency_weight", frequency_weight, 0.0, 1.0)
-  _common.check_range(
-    "frequency_decay", frequency_decay, 0.0, 1.0, high_inclusive=False
-  )
-  static_int("min_size", min_size, 0)
-  static_warmup = static_int("warmup_steps", warmup_steps, 0)
-  static_int("seed", seed, 0)
-  _common.check_bool("error_feedback", error_feedback)
-  acc_fmt = check_accumulator_format(accumulator_format)
-  static_fraction = (
-    _common.concrete_value(fraction) if static_warmup == 0 else None
-  )
-  use_frequency = frequency_weight is not None
-  by_threshold = method == "sampled" and not use_frequency
-  fraction = _common.f32(fraction)
-  frequency_weight = _common.f32(frequency_weight)
-  frequency_decay = _common.f32(frequency_decay)
-
-  def init_fn(params):
-    return TopKMaskState(
-      count=jnp.zeros([], jnp.int32),
-      accumulator=(
-        init_accumulator(params, acc_fmt) if error_feedback else None
-      ),
-      thresholds=_scalars(params),
-      frequency=(
-        optax.tree.zeros_like(params, dtype=jnp.float32)
-        if use_frequency
-        else None
-      ),
-      kept_fraction=(
-        None if error_feedback and by_threshold else jnp.ones([], jnp.float32)
-      ),
-    )
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    t = state.count
-    leaves, treedef = jax.tree.flatten(updates)
-    _check_leaves("top_k_mask", state, updates, leaves)
-    accs = (
-      read_accumulator(state.accumulator, treedef)
-      if error_feedback
-      else [None] * len(leaves)
-    )
-    freq = _flat_or_none(state.frequency, treedef, len(leaves))
-    frac = warmup_fraction(fraction, warmup_steps, t)
-    dense = [dense_leaf(g.size, min_size) for g in leaves]
-    stored = None
-    if by_threshold:
-      a_leaves = accumulate_leaves(leaves, accs, state.thresholds, dense)
-      if error_feedback:
-        stored, a_leaves = store_accumulator(
-          a_leaves,
-          state.accumulator,
-          treedef,
-          dense,
-          acc_fmt,
-          accumulator_word(seed, t),
-        )
-      found = topk_leaf_thresholds(a_leaves, dense, frac, seed, t)
-      thresholds = found.vector + (0 * state.thresholds)
-      kept = found.kept
-      keeps = [
-        None if th is None else keep_mask(a, th.astype(a.dtype))
-        for a, th in zip(a_leaves, found.leaves)
-      ]
-    else:
-      a_leaves, keeps, kept = _score_path(
-        leaves,
-        accs,
-        state.thresholds,
-        dense,
-        (frac, method, static_fraction, freq, frequency_weight, seed, t),
-      )
-      thresholds = 0 * state.thresholds + RESIDUAL_ONLY
-    outs, residuals = [], []
-    for a, keep, acc in zip(a_leaves, keeps, accs):
-      out, res = (
-        (a, jnp.zeros_like(a)) if keep is None else split_by_mask(a, keep)
-      )
-      outs.append(out if acc is None else out.astype(_out_dtype(a, acc)))
-      residuals.append(res)
-    if error_feedback and not by_threshold:  # the residual itself
-      stored, _ = store_accumulator(
-        residuals,
-        state.accumulator,
-        treedef,
-        dense,
-        acc_fmt,
-        accumulator_word(seed, t),
-      )
-    new_freq = None
-    if use_frequency:
-      new_freq = treedef.unflatten(
-        [
-          _common.ema(f, k, frequency_decay).astype(jnp.float32)
-          for f, k in zip(freq, keeps)
-        ]
-      )
-    return treedef.unflatten(outs), TopKMaskState(
-      count=_common.safe_increment(t),
-      accumulator=stored,
-      thresholds=thresholds,
-      frequency=new_freq,
-      kept_fraction=(
-        None
-        if state.kept_fraction is None
-        else size_weighted_vector(
-          cast(jax.Array, kept), [g.size for g in leaves]
-        )
-        + 0 * state.kept_fraction
-      ),
-    )
-
-  # The state's None fields (parts that are off) are empty pytrees, which
-  # optax's OptState alias (ArrayTree) does not admit.
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+  return TopKMaskConfig(
+    fraction,
+    error_feedback,
+    method,
+    frequency_weight,
+    min_size,
+    warmup_steps,
+    frequency_decay,
+    seed,
+    accumulator_format,
+  ).transform()
 
 
 def size_weighted_vector(values: jax.Array, sizes: list[int]) -> jax.Array:
@@ -1103,6 +1233,94 @@ def threshold_leaf_thresholds(
   )
 
 
+@dataclasses.dataclass(frozen=True)
+class EmaThresholdMaskConfig(_mechanism.Config):
+  """The knobs of :func:`ema_threshold_mask`, validated (see its arguments).
+
+  Attributes:
+    alpha: EMA weight of the new mean, in (0, 1].
+    every: refresh period in steps, int >= 1.
+    scale: multiplier of the threshold, >= 0.
+    error_feedback: carry the masked-out part to the next step.
+    min_size: leaves smaller than this pass dense, int >= 0.
+    seed: seed of the accumulator's stochastic rounding, int >= 0.
+    accumulator_format: the accumulator's storage (a
+      :class:`~grpo_optax.quantization.StateFormat`, or None).
+  """
+
+  alpha: Any = 0.7
+  every: Any = 100
+  scale: Any = 1.0
+  error_feedback: bool = True
+  min_size: Any = 0
+  seed: Any = 0
+  accumulator_format: Any = None
+
+  def __post_init__(self):
+    _common.check_range("alpha", self.alpha, 0.0, 1.0, low_inclusive=False)
+    static_int("every", self.every, 1)
+    _common.check_range("scale", self.scale, 0.0)
+    static_int("min_size", self.min_size, 0)
+    static_int("seed", self.seed, 0)
+    _common.check_bool("error_feedback", self.error_feedback)
+    self._set(
+      accumulator_format=check_accumulator_format(self.accumulator_format),
+      alpha=_common.f32(self.alpha),
+      scale=_common.f32(self.scale),
+    )
+
+  def init(self, params):
+    error_feedback, acc_fmt = self.error_feedback, self.accumulator_format
+    return EmaThresholdMaskState(
+      count=jnp.zeros([], jnp.int32),
+      accumulator=(
+        init_accumulator(params, acc_fmt) if error_feedback else None
+      ),
+      thresholds=_scalars(params),
+      tau=_scalars(params),
+      kept_fraction=None if error_feedback else jnp.ones([], jnp.float32),
+    )
+
+  def update(self, updates, state, params=None, **extra_args):
+    del params, extra_args
+    leaves, treedef = jax.tree.flatten(updates)
+    _check_leaves("ema_threshold_mask", state, updates, leaves)
+    a_leaves, thr, new_state = self.threshold_phase(leaves, state, treedef)
+    return treedef.unflatten(
+      _masked_outputs(a_leaves, thr, state, treedef)
+    ), new_state
+
+  def threshold_phase(self, leaves, state, treedef):
+    """The EMA threshold up to its thresholds: ``(a_leaves, thresholds,
+    new_state)`` as :meth:`TopKMaskConfig.threshold_phase`.
+    """
+    t = state.count
+    dense = [dense_leaf(g.size, self.min_size) for g in leaves]
+    a_leaves, stored = _accumulated(self, leaves, state, treedef, dense)
+    found, tau = threshold_leaf_thresholds(
+      a_leaves, dense, state.tau, self.alpha, t, self.every, self.scale
+    )
+    kept = None
+    if not self.error_feedback:
+      kept = _common.stack(
+        [
+          jnp.ones((), jnp.float32) if th is None else sampled_kept(a, th)
+          for a, th in zip(a_leaves, found.leaves)
+        ]
+      )
+    return (
+      a_leaves,
+      found.leaves,
+      EmaThresholdMaskState(
+        count=_common.safe_increment(t),
+        accumulator=stored,
+        thresholds=found.vector + 0 * state.thresholds,
+        tau=tau + 0 * state.tau,
+        kept_fraction=_kept(state, kept, leaves),
+      ),
+    )
+
+
 def ema_threshold_mask(
   alpha: float = 0.7,
   every: int = 100,
@@ -1161,73 +1379,12 @@ def ema_threshold_mask(
     Seetharaman et al., `AutoClip: Adaptive Gradient Clipping
     <https://arxiv.org/abs/2007.14469>`_, 2020.
   """
-  _common.check_range("alpha", alpha, 0.0, 1.0, low_inclusive=False)
-  static_int("every", every, 1)
-  _common.check_range("scale", scale, 0.0)
-  static_int("min_size", min_size, 0)
-  static_int("seed", seed, 0)
-  _common.check_bool("error_feedback", error_feedback)
-  acc_fmt = check_accumulator_format(accumulator_format)
-  alpha = _common.f32(alpha)
-  scale = _common.f32(scale)
-
-  def init_fn(params):
-    return EmaThresholdMaskState(
-      count=jnp.zeros([], jnp.int32),
-      accumulator=(
-        init_accumulator(params, acc_fmt) if error_feedback else None
-      ),
-      thresholds=_scalars(params),
-      tau=_scalars(params),
-      kept_fraction=None if error_feedback else jnp.ones([], jnp.float32),
-    )
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    t = state.count
-    leaves, treedef = jax.tree.flatten(updates)
-    _check_leaves("ema_threshold_mask", state, updates, leaves)
-    accs = (
-      read_accumulator(state.accumulator, treedef)
-      if error_feedback
-      else [None] * len(leaves)
-    )
-    dense = [dense_leaf(g.size, min_size) for g in leaves]
-    a_leaves = accumulate_leaves(leaves, accs, state.thresholds, dense)
-    stored = None
-    if error_feedback:
-      stored, a_leaves = store_accumulator(
-        a_leaves,
-        state.accumulator,
-        treedef,
-        dense,
-        acc_fmt,
-        accumulator_word(seed, t),
-      )
-    found, tau = threshold_leaf_thresholds(
-      a_leaves, dense, state.tau, alpha, t, every, scale
-    )
-    outs, kept = [], []
-    for a, th, acc in zip(a_leaves, found.leaves, accs):
-      out = a if th is None else masked_part(a, th)
-      outs.append(out if acc is None else out.astype(_out_dtype(a, acc)))
-      if not error_feedback:
-        kept.append(
-          jnp.ones((), jnp.float32) if th is None else sampled_kept(a, th)
-        )
-    return treedef.unflatten(outs), EmaThresholdMaskState(
-      count=_common.safe_increment(t),
-      accumulator=stored,
-      thresholds=found.vector + 0 * state.thresholds,
-      tau=tau + 0 * state.tau,
-      kept_fraction=(
-        None
-        if error_feedback
-        else size_weighted(kept, [g.size for g in leaves])
-        + 0 * state.kept_fraction
-      ),
-    )
-
-  # The state's None fields (parts that are off) are empty pytrees, which
-  # optax's OptState alias (ArrayTree) does not admit.
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+  return EmaThresholdMaskConfig(
+    alpha,
+    every,
+    scale,
+    error_feedback,
+    min_size,
+    seed,
+    accumulator_format,
+  ).transform()

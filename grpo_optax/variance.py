@@ -8,7 +8,9 @@ it grow back. This module pins the variance estimate (bias-corrected EMAs of
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 from typing import NamedTuple
 
 import jax
@@ -16,8 +18,10 @@ import jax.numpy as jnp
 import optax
 
 from grpo_optax import _common
+from grpo_optax import _mechanism
 
 __all__ = (
+  "ScaleByVarianceLrConfig",
   "ScaleByVarianceLrState",
   "scale_by_variance_lr",
 )
@@ -93,6 +97,105 @@ def _scale_leaf(g, var, denom, coef, eps, *, out_dtype):
   }
 
 
+@dataclasses.dataclass(frozen=True)
+class ScaleByVarianceLrConfig(_mechanism.Config):
+  """The knobs of :func:`scale_by_variance_lr`, validated (see its arguments).
+
+  Attributes:
+    coef: the coefficient ``c``, >= 0.
+    decay: EMA decay ``d`` in [0, 1).
+    eps: added to the normaliser when ``normalize``, >= 0.
+    reduction: ``"element"``, ``"leaf"`` or ``"global"``.
+    normalize: divide the variance by the mean second moment.
+  """
+
+  coef: Any = 0.1
+  decay: Any = 0.99
+  eps: Any = 1e-12
+  reduction: str = "leaf"
+  normalize: bool = False
+
+  def __post_init__(self):
+    _common.check_range("coef", self.coef, 0.0)
+    _common.check_range("decay", self.decay, 0.0, 1.0, high_inclusive=False)
+    _common.check_range("eps", self.eps, 0.0)
+    _common.check_choice("reduction", self.reduction, REDUCTIONS)
+    _common.check_bool("normalize", self.normalize)
+    self._set(
+      coef=_common.f32(self.coef),
+      decay=_common.f32(self.decay),
+      eps=_common.f32(self.eps),
+    )
+
+  def init(self, params):
+    return ScaleByVarianceLrState(
+      count=jnp.zeros([], jnp.int32),
+      mu=optax.tree.zeros_like(params),
+      nu=optax.tree.zeros_like(params),
+      variance=jnp.zeros([], jnp.float32),
+      lr_scale=jnp.ones([], jnp.float32),
+    )
+
+  def update(
+    self,
+    updates,
+    state,
+    params=None,
+    *,
+    grad_variance: optax.Updates | None = None,
+    **extra_args,
+  ):
+    del params, extra_args
+    coef, decay, eps, reduction, normalize = (
+      self.coef,
+      self.decay,
+      self.eps,
+      self.reduction,
+      self.normalize,
+    )
+    _common.check_tree_like("scale_by_variance_lr", updates, state.mu)
+    count_inc = _common.safe_increment(state.count)
+    bc = _common.bias_correction(decay, count_inc)
+    g_leaves, treedef = jax.tree.flatten(updates)
+    gv_leaves = [None] * len(g_leaves)
+    if grad_variance is not None:
+      _common.check_same_structure(
+        "grad_variance", grad_variance, updates, "scale_by_variance_lr"
+      )
+      gv_leaves = treedef.flatten_up_to(grad_variance)
+    sizes = [g.size for g in g_leaves]
+    mus, nus, var, nu_hat = [], [], [], []
+    for g, mu, nu, gv in zip(
+      g_leaves,
+      treedef.flatten_up_to(state.mu),
+      treedef.flatten_up_to(state.nu),
+      gv_leaves,
+    ):
+      m, n, v, h = _moments_leaf(
+        g, mu, nu, gv, decay, bc, reduction=reduction, normalize=normalize
+      )
+      mus.append(m)
+      nus.append(n)
+      var.append(v)
+      nu_hat.append(h)
+    var = _global(var, sizes, reduction)
+    denom = _global(nu_hat, sizes, reduction) if normalize else nu_hat
+    out, stats = [], _common.SampledMoments()
+    for g, v, d, m in zip(
+      g_leaves, var, denom, treedef.flatten_up_to(state.mu)
+    ):
+      o, moments = _scale_leaf(g, v, d, coef, eps, out_dtype=m.dtype)
+      out.append(o)
+      stats.add(g.size, **moments)
+    return treedef.unflatten(out), ScaleByVarianceLrState(
+      count=count_inc,
+      mu=treedef.unflatten(mus),
+      nu=treedef.unflatten(nus),
+      variance=stats.mean("var"),
+      lr_scale=stats.mean("scale", 1.0),
+    )
+
+
 def scale_by_variance_lr(
   coef: float = 0.1,
   decay: float = 0.99,
@@ -151,74 +254,6 @@ def scale_by_variance_lr(
     Zhuang et al., `AdaBelief Optimizer
     <https://arxiv.org/abs/2010.07468>`_, 2020.
   """
-  _common.check_range("coef", coef, 0.0)
-  _common.check_range("decay", decay, 0.0, 1.0, high_inclusive=False)
-  _common.check_range("eps", eps, 0.0)
-  _common.check_choice("reduction", reduction, REDUCTIONS)
-  _common.check_bool("normalize", normalize)
-
-  coef = _common.f32(coef)
-  decay = _common.f32(decay)
-  eps = _common.f32(eps)
-
-  def init_fn(params):
-    return ScaleByVarianceLrState(
-      count=jnp.zeros([], jnp.int32),
-      mu=optax.tree.zeros_like(params),
-      nu=optax.tree.zeros_like(params),
-      variance=jnp.zeros([], jnp.float32),
-      lr_scale=jnp.ones([], jnp.float32),
-    )
-
-  def update_fn(
-    updates,
-    state,
-    params=None,
-    *,
-    grad_variance: optax.Updates | None = None,
-    **extra_args,
-  ):
-    del params, extra_args
-    _common.check_tree_like("scale_by_variance_lr", updates, state.mu)
-    count_inc = _common.safe_increment(state.count)
-    bc = _common.bias_correction(decay, count_inc)
-    g_leaves, treedef = jax.tree.flatten(updates)
-    gv_leaves = [None] * len(g_leaves)
-    if grad_variance is not None:
-      _common.check_same_structure(
-        "grad_variance", grad_variance, updates, "scale_by_variance_lr"
-      )
-      gv_leaves = treedef.flatten_up_to(grad_variance)
-    sizes = [g.size for g in g_leaves]
-    mus, nus, var, nu_hat = [], [], [], []
-    for g, mu, nu, gv in zip(
-      g_leaves,
-      treedef.flatten_up_to(state.mu),
-      treedef.flatten_up_to(state.nu),
-      gv_leaves,
-    ):
-      m, n, v, h = _moments_leaf(
-        g, mu, nu, gv, decay, bc, reduction=reduction, normalize=normalize
-      )
-      mus.append(m)
-      nus.append(n)
-      var.append(v)
-      nu_hat.append(h)
-    var = _global(var, sizes, reduction)
-    denom = _global(nu_hat, sizes, reduction) if normalize else nu_hat
-    out, stats = [], _common.SampledMoments()
-    for g, v, d, m in zip(
-      g_leaves, var, denom, treedef.flatten_up_to(state.mu)
-    ):
-      o, moments = _scale_leaf(g, v, d, coef, eps, out_dtype=m.dtype)
-      out.append(o)
-      stats.add(g.size, **moments)
-    return treedef.unflatten(out), ScaleByVarianceLrState(
-      count=count_inc,
-      mu=treedef.unflatten(mus),
-      nu=treedef.unflatten(nus),
-      variance=stats.mean("var"),
-      lr_scale=stats.mean("scale", 1.0),
-    )
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return ScaleByVarianceLrConfig(
+    coef, decay, eps, reduction, normalize
+  ).transform()

@@ -75,6 +75,14 @@ def _then_adam(tx, lr):
 
 CASES: list[Case] = [
   Case(
+    "zclip",
+    grpo_optax.zclip,
+    dict(z_threshold=2.0, warmup_steps=5),
+    lr=2e-3,
+    optimizer=_then_sgd,
+    steps=4000,
+  ),
+  Case(
     "clip_with_l2",
     grpo_optax.clip_with_l2,
     dict(max_norm=1.0, l2=1e-4),

@@ -50,8 +50,11 @@ def _mask_state(state):
 
 
 def test_the_default_is_the_fused_core():
-  state = grpo_optax.grpo().init(_params())
-  assert isinstance(state[0], grpo_optax.FusedState)
+  assert grpo_optax.presets.describe()[0] == "fused(clip, mask, adaptive)"
+  # One state layout for both forms.
+  fused = grpo_optax.grpo().init(_params())
+  chain = grpo_optax.grpo(fused=False).init(_params())
+  assert jax.tree.structure(fused) == jax.tree.structure(chain)
 
 
 @pytest.mark.parametrize(
@@ -346,8 +349,7 @@ def test_coupled_l2_without_clipping_reaches_the_fused_core():
     u, state = tx.update(g, state, params)
     u, state = tx.update(g, state, params)
     outs.append(np.asarray(u["w"]))
-  assert isinstance(
-    grpo_optax.grpo(max_norm=None, l2=0.5).init(params)[0],
-    grpo_optax.FusedState,
+  assert grpo_optax.presets.describe(max_norm=None, l2=0.5)[0] == (
+    "fused(clip, mask, adaptive)"
   )
   np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-8)

@@ -33,6 +33,7 @@ FACTORIES = {
   "scale_by_nesterov_adam_rms": go.scale_by_nesterov_adam_rms,
   "clip_with_l2": go.clip_with_l2,
   "freeze_below": go.freeze_below,
+  "zclip": go.zclip,
 }
 
 # (factory, keyword, bad value, error type); the message must name both.
@@ -116,6 +117,13 @@ BAD = [
   ("freeze_below", "threshold", "0.3", TypeError),
   ("freeze_below", "decay", None, TypeError),
   ("freeze_below", "warmup_steps", "100", TypeError),
+  ("zclip", "z_threshold", 0.0, ValueError),
+  ("zclip", "z_threshold", "2.5", TypeError),
+  ("zclip", "alpha", 1.0, ValueError),
+  ("zclip", "warmup_steps", 0, ValueError),
+  ("zclip", "warmup_steps", 2.5, ValueError),
+  ("grpo", "zclip", -1.0, ValueError),
+  ("grpo", "zclip_alpha", 1.5, ValueError),
 ]
 
 
@@ -507,6 +515,10 @@ def test_every_public_function_refuses_a_wrong_type(path, name, value):
 # their defaults, so that any updates tree is theirs to take (as
 # optax.clip_by_global_norm's); with l2 > 0 clip_with_l2 reads the params.
 TREE_FREE = {"clip_with_l2": go.clip_with_l2(l2=0.1)}
+# Transforms whose state holds nothing per leaf and whose update reads no
+# params (a global norm's statistics, as optax.clip_by_global_norm): any
+# tree fits them.
+ANY_TREE = {"zclip"}
 
 
 def _transforms():
@@ -533,6 +545,10 @@ def test_every_transform_names_the_leaf_that_does_not_fit(name):
   tx = _transforms()[name]
   state = tx.init(PARAMS)
   bad = {"layer": {"w": jnp.ones((3, 4)), "b": jnp.ones(4)}}
+  if name in ANY_TREE:
+    out, _ = tx.update(bad, state, PARAMS)
+    assert jax.tree.structure(out) == jax.tree.structure(bad)
+    return
   with pytest.raises(ValueError, match=re.escape("leaf ['layer']['w'] has")):
     tx.update(bad, state, PARAMS)
   renamed = {"layer": {"w": jnp.ones((4, 4)), "c": jnp.ones(4)}}

@@ -55,6 +55,10 @@ def _run(tx, steps):
 GRID = {
   "topk": dict(
     learning_rate=optax.linear_schedule(0.05, 0.01, 10),
+    zclip=1.5,
+    zclip_alpha=0.8,
+    zclip_warmup_steps=3,
+    accumulator_format="int8_sr",
     max_norm=0.5,
     l2=1e-3,
     weight_decay=1e-2,
@@ -133,18 +137,13 @@ def test_fused_core_equals_the_chain_of_its_rooms(name):
   u_f, s_f = _run(fused_tx, 20)
   u_c, s_c = _run(chain_tx, 20)
   # The default form really is the fused core; the chain really is not.
-  assert any(
-    isinstance(s, grpo_optax.FusedState)
-    for s in jax.tree.leaves(
-      s_f, is_leaf=lambda x: isinstance(x, grpo_optax.FusedState)
-    )
-  )
+  assert any(s.startswith("fused") for s in grpo_optax.presets.describe(**kw))
   assert not any(
-    isinstance(s, grpo_optax.FusedState)
-    for s in jax.tree.leaves(
-      s_c, is_leaf=lambda x: isinstance(x, grpo_optax.FusedState)
-    )
+    s.startswith("fused")
+    for s in grpo_optax.presets.describe(**kw, fused=False)
   )
+  # One state layout for both forms.
+  assert jax.tree.structure(s_f) == jax.tree.structure(s_c)
   for t, (a, b) in enumerate(zip(u_f, u_c)):
     try:
       _close(a, b)
@@ -196,12 +195,8 @@ def test_fused_true_refuses_what_it_cannot_honour(kw):
   with pytest.raises(ValueError, match=list(kw)[0]):
     grpo_optax.grpo(**kw, fused=True)
   # The default picks the chain for these settings, which honours them.
-  state = grpo_optax.grpo(**kw).init(_params())
   assert not any(
-    isinstance(s, grpo_optax.FusedState)
-    for s in jax.tree.leaves(
-      state, is_leaf=lambda x: isinstance(x, grpo_optax.FusedState)
-    )
+    s.startswith("fused") for s in grpo_optax.presets.describe(**kw)
   )
 
 
@@ -253,6 +248,10 @@ KNOBS = {
   "freeze_decay": ({"freeze_threshold": 0.9, "freeze_warmup_steps": 1}, 0.0),
   "freeze_warmup_steps": ({"freeze_threshold": 0.9}, 0),
   "seed": ({"min_size": 0}, 3),
+  "accumulator_format": ({}, "int8_sr"),
+  "zclip": ({"zclip_warmup_steps": 1}, 0.5),
+  "zclip_alpha": ({"zclip": 0.5, "zclip_warmup_steps": 1}, 0.2),
+  "zclip_warmup_steps": ({"zclip": 0.5}, 1),
 }
 
 

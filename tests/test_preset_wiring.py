@@ -13,6 +13,7 @@ receives in the grid.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import jax
@@ -29,6 +30,7 @@ PRESET_FORM: dict = {"fused": False}
 
 # Stage order of the chain (docs/design.md) and the factory of each stage.
 STAGES = {
+  "zclip": grpo_optax.zclip,
   "clip": grpo_optax.clip_with_l2,
   "importance": grpo_optax.scale_by_importance,
   "topk": grpo_optax.top_k_mask,
@@ -40,63 +42,40 @@ STAGES = {
   "freeze": grpo_optax.freeze_below,
 }
 
-# keyword of grpo -> [(stage, argument of the stage factory), ...]
+# keyword of grpo -> [(stage, argument of the stage factory), ...], read from
+# the library's one table (grpo_optax.presets.WIRING: mechanism -> its config
+# field, which is the factory's argument of the same name), plus optax's
+# stages that the table lists as switches.
+_STAGE_OF = {"topk": "topk", "threshold": "threshold"}
 WIRING = {
-  "learning_rate": [("lr", "learning_rate")],
-  "max_norm": [("clip", "max_norm")],
-  "l2": [("clip", "l2")],
-  "importance_order": [("importance", "order")],
-  "importance_decay": [("importance", "decay")],
-  "min_weight": [("importance", "min_weight")],
-  "max_weight": [("importance", "max_weight")],
-  "fraction": [("topk", "fraction")],
-  "topk_method": [("topk", "method")],
-  "error_feedback": [
-    ("topk", "error_feedback"),
-    ("threshold", "error_feedback"),
-  ],
-  "frequency_weight": [("topk", "frequency_weight")],
-  "min_size": [("topk", "min_size"), ("threshold", "min_size")],
-  "sparsify_warmup_steps": [("topk", "warmup_steps")],
-  "seed": [("topk", "seed"), ("threshold", "seed")],
-  "accumulator_format": [
-    ("topk", "accumulator_format"),
-    ("threshold", "accumulator_format"),
-  ],
-  "alpha": [("threshold", "alpha")],
-  "every": [("threshold", "every")],
-  "threshold_scale": [("threshold", "scale")],
-  "b1": [("adaptive", "b1")],
-  "b2": [("adaptive", "b2")],
-  "eps": [("adaptive", "eps")],
-  "eps_root": [("adaptive", "eps_root")],
-  "adam_weight": [("adaptive", "adam_weight")],
-  "nesterov": [("adaptive", "nesterov")],
-  "filter_decay": [("adaptive", "filter_decay")],
-  "rms_bias_correction": [("adaptive", "rms_bias_correction")],
-  "mu_dtype": [("adaptive", "mu_dtype")],
-  "nu_dtype": [("adaptive", "nu_dtype")],
-  "mu_format": [("adaptive", "mu_format")],
-  "nu_format": [("adaptive", "nu_format")],
-  "weight_decay": [("decay", "weight_decay")],
-  "weight_decay_mask": [("decay", "mask")],
-  "variance_coef": [("variance", "coef")],
-  "variance_decay": [("variance", "decay")],
-  "variance_reduction": [("variance", "reduction")],
-  "variance_normalize": [("variance", "normalize")],
-  "variance_eps": [("variance", "eps")],
-  "freeze_threshold": [("freeze", "threshold")],
-  "freeze_decay": [("freeze", "decay")],
-  "freeze_warmup_steps": [("freeze", "warmup_steps")],
+  knob.keyword: [(mechanism, field) for mechanism, field in knob.fields]
+  for knob in grpo_optax.presets.WIRING
+  if knob.fields
 }
+WIRING.update(
+  {
+    "learning_rate": [("lr", "learning_rate")],
+    "weight_decay": [("decay", "weight_decay")],
+    "weight_decay_mask": [("decay", "mask")],
+  }
+)
 # Keywords that switch stages on and off (their effect is the chain's
 # structure, compared exactly by the equality test).
-SWITCHES = ("importance", "sparsify", "adaptive", "importance_placement")
+SWITCHES = (
+  "importance",
+  "sparsify",
+  "adaptive",
+  "importance_placement",
+  "zclip",
+)
 
 # The seed defaults (the articles): grpo(**ARTICLE_DEFAULTS) must use exactly
 # these (grpo()'s own defaults were then chosen by measurement).
 SEED_DEFAULTS = dict(
   learning_rate=1e-3,
+  zclip=None,
+  zclip_alpha=0.97,
+  zclip_warmup_steps=25,
   max_norm=1.0,
   l2=None,
   weight_decay=None,
@@ -153,6 +132,9 @@ DEFAULTS = {
 # same kind (decays, epsilons), so a knob passed to the wrong stage shows.
 GRID = {
   "topk_sampled": dict(
+    zclip=2.0,
+    zclip_alpha=0.9,
+    zclip_warmup_steps=2,
     importance=True,
     learning_rate=optax.linear_schedule(0.05, 0.01, 4),
     max_norm=0.5,
@@ -230,6 +212,8 @@ def _stage_kwargs(kw: dict, stage: str) -> dict:
         out[arg] = kw[knob]
   if stage == "clip" and out["max_norm"] is None:
     out["max_norm"] = float("inf")
+  if stage == "zclip" and out["z_threshold"] is None:
+    del out["z_threshold"]
   return out
 
 
@@ -239,6 +223,7 @@ def explicit_stages(
   """The stages of the preset chain, built from the wiring table."""
   kw = {**DEFAULTS, **overrides}
   on = {
+    "zclip": kw["zclip"] is not None,
     "clip": kw["max_norm"] is not None or kw["l2"] is not None,
     "importance": kw["importance"],
     "topk": kw["sparsify"] == "topk",
@@ -345,12 +330,37 @@ def test_grpo_equals_the_explicit_chain(name):
     )
 
   s1, s2 = tx.init(params), chain.init(params)
-  _assert_trees_equal(s1, s2, "init")
+  names = [n for n, _ in explicit_stages(**kw)]
+  _assert_trees_equal(_as_chain(s1, names), s2, "init")
   for i in range(STEPS):
     (u1, s1), (u2, s2) = both(_grads(i, params), s1, s2)
     _assert_trees_equal(u1, u2, f"updates at step {i}")
-    _assert_trees_equal(s1, s2, f"state at step {i}")
+    _assert_trees_equal(_as_chain(s1, names), s2, f"state at step {i}")
   assert float(optax.tree.norm(u1)) > 0
+  # Every mechanism that is off has no state.
+  assert {f for f in s1._fields if getattr(s1, f) is not None} == {
+    _FIELD[n] for n in names
+  }
+
+
+# GrpoState's field of each stage.
+_FIELD = {
+  "zclip": "zclip",
+  "clip": "clip",
+  "importance": "importance",
+  "topk": "mask",
+  "threshold": "mask",
+  "adaptive": "adaptive",
+  "variance": "variance",
+  "decay": "decay",
+  "lr": "schedule",
+  "freeze": "freeze",
+}
+
+
+def _as_chain(state, names):
+  """A GrpoState as the tuple of its stages' states, in the chain's order."""
+  return tuple(getattr(state, _FIELD[n]) for n in names)
 
 
 def _factory_default(stage: str, arg: str):
@@ -456,3 +466,28 @@ def check_knob_sensitivity() -> list[str]:
 
 if __name__ == "__main__":
   print("knobs that change their stage:", " ".join(check_knob_sensitivity()))
+
+
+def test_every_keyword_of_grpo_is_a_row_of_the_library_table():
+  table = [k.keyword for k in grpo_optax.presets.WIRING]
+  names = list(inspect.signature(grpo_optax.grpo).parameters)
+  assert names == ["learning_rate", *table]
+  assert len(set(table)) == len(table)
+  mechanisms = grpo_optax.presets.MECHANISMS
+  for knob in grpo_optax.presets.WIRING:
+    for mechanism, field in knob.fields:
+      assert field in {
+        f.name for f in dataclasses.fields(mechanisms[mechanism])
+      }
+
+
+def test_a_keyword_removed_from_the_table_is_refused(monkeypatch):
+  table = grpo_optax.presets.WIRING
+  for i, knob in enumerate(table):
+    monkeypatch.setattr(
+      grpo_optax.presets, "WIRING", table[:i] + table[i + 1 :]
+    )
+    with pytest.raises(TypeError, match=repr(knob.keyword)):
+      grpo_optax.grpo(1e-3, **{knob.keyword: knob.default})
+  monkeypatch.setattr(grpo_optax.presets, "WIRING", table)
+  grpo_optax.grpo(1e-3, **{k.keyword: k.default for k in table})

@@ -46,7 +46,7 @@ def _float32(x: jax.Array) -> jax.Array:
   return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def _scaled_logits(logits: jax.Array, temperature) -> jax.Array:
+def scaled_logits(logits: jax.Array, temperature) -> jax.Array:
   _common.check_range("temperature", temperature, 0.0, low_inclusive=False)
   logits = _float32(logits)
   if logits.ndim < 1:
@@ -93,7 +93,7 @@ def token_log_probs(
     >>> jnp.exp(rl.token_log_probs(logits, jnp.array([1])))
     Array([0.75], dtype=float32)
   """
-  scaled = truncated_logits(_scaled_logits(logits, temperature), truncation)
+  scaled = truncated_logits(scaled_logits(logits, temperature), truncation)
   tokens = jnp.asarray(tokens)
   if tokens.shape != scaled.shape[:-1]:
     raise ValueError(
@@ -132,7 +132,7 @@ def token_entropy(
     Array([1.3862944], dtype=float32)
   """
   log_p = jax.nn.log_softmax(
-    truncated_logits(_scaled_logits(logits, temperature), truncation), axis=-1
+    truncated_logits(scaled_logits(logits, temperature), truncation), axis=-1
   )
   kept = jnp.isfinite(log_p)
   log_p = jnp.where(kept, log_p, 0)  # 0 * -inf would be NaN

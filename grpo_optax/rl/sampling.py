@@ -143,8 +143,8 @@ def _draw(
 ) -> tuple[jax.Array, jax.Array]:
   """The token of position ``t`` and its log-probability, from ``[B, V]``."""
   scaled = truncation_lib.truncated_logits(
-    losses._scaled_logits(logits, temperature), truncation
-  )  # pylint: disable=protected-access
+    losses.scaled_logits(logits, temperature), truncation
+  )
   if greedy:
     new = jnp.argmax(scaled, axis=-1)
   else:
@@ -231,7 +231,7 @@ def sample(
     )
   if not jnp.issubdtype(prompts.dtype, jnp.integer):
     raise TypeError(f"prompts must be integer tokens; got {prompts.dtype}")
-  truncation = truncation_lib._as_truncation(truncation)  # pylint: disable=protected-access
+  truncation = truncation_lib.as_truncation(truncation)
   prompts = prompts.astype(jnp.int32)
   batch, prompt_len = prompts.shape
   length = prompt_len + max_new_tokens

@@ -96,7 +96,7 @@ class Truncation:
     )
 
 
-def _as_truncation(truncation: Truncation | None) -> Truncation:
+def as_truncation(truncation: Truncation | None) -> Truncation:
   if truncation is None:
     return Truncation()
   if not isinstance(truncation, Truncation):
@@ -154,7 +154,7 @@ def truncated_logits(
     >>> jnp.isfinite(rl.truncated_logits(z, rl.Truncation(top_p=0.8)))
     Array([ True,  True, False, False], dtype=bool)
   """
-  truncation = _as_truncation(truncation)
+  truncation = as_truncation(truncation)
   z = scaled_logits
   if truncation.top_k is not None:
     z = _top_k(z, truncation.top_k)
