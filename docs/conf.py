@@ -59,7 +59,7 @@ napoleon_use_ivar = True
 # are not linked (no intersphinx: the build needs no network).
 nitpicky = True
 nitpick_ignore_regex = [
-  (r"py:.*", r"(jax|jaxlib|optax|numpy|np|flax|collections|typing)(\..*)?"),
+  (r"py:.*", r"(abc|jax|jaxlib|optax|numpy|np|flax|collections|typing)(\..*)?"),
 ]
 
 html_theme = "furo"

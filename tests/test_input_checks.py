@@ -361,6 +361,7 @@ def _required():
       opt_state=go.scale_by_importance().init(_PARAMS)
     ),
     "per_head": dict(entropy=jnp.ones((2, 4)), axis=0, ndim=2),
+    "data_parallel": dict(loss_fn=_loss, tx=tx, mesh=mesh),
     "data_parallel_step": dict(loss_fn=_loss, tx=tx, mesh=mesh),
     "local_steps_step": dict(loss_fn=_loss, tx=tx, mesh=mesh, local_steps=2),
     "hierarchical_step": dict(loss_fn=_loss, tx=tx),
@@ -459,6 +460,7 @@ def test_the_signatures_cover_the_public_functions():
     "grpo",
     "top_k_mask",
     "clip_with_l2",
+    "data_parallel",
     "data_parallel_step",
     "sparse_pmean",
     "local_steps_step",

@@ -51,6 +51,7 @@ import optax
 from jax.sharding import Mesh
 
 from grpo_optax.training import _tree
+from grpo_optax.training import exchange as exchange_lib
 from grpo_optax.training import runtime
 
 #: The state of :func:`data_parallel_step`: the runtime's
@@ -143,7 +144,7 @@ def data_parallel_step(
   mesh: Mesh,
   *,
   axis: str = "data",
-  exchange: Any = "dense",
+  exchange: str | exchange_lib.Exchange = "dense",
   dense_axis: str | None = None,
   has_aux: bool = False,
   donate: bool = True,

@@ -375,7 +375,9 @@ def _flatten_like(tree, treedef, name):
   return leaves
 
 
-def make_exchange(exchange: Any = "dense", **options: Any) -> Exchange:
+def make_exchange(
+  exchange: str | Exchange = "dense", **options: Any
+) -> Exchange:
   """The :class:`Exchange` named ``exchange`` with ``options``.
 
   Args:
@@ -412,7 +414,11 @@ _SEED = base.Option("seed", 0, "int", low=0)
 
 
 def init_exchange(
-  params: Any, *, exchange: Any = "all_gather", seed: int = 0, **options: Any
+  params: Any,
+  *,
+  exchange: str | Exchange = "all_gather",
+  seed: int = 0,
+  **options: Any,
 ) -> ExchangeState:
   """The initial :class:`ExchangeState` of one replica.
 
@@ -436,7 +442,7 @@ def sparse_pmean(
   residual: Any,
   axis_name: AxisName,
   *,
-  exchange: Any = "all_gather",
+  exchange: str | Exchange = "all_gather",
   **options: Any,
 ) -> tuple[Any, Any]:
   r"""Mean of the replicas' gradients through a (compressed) exchange.

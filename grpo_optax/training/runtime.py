@@ -87,7 +87,7 @@ class TrainState(NamedTuple):
   """State of :class:`DataParallel` (a pytree of global arrays).
 
   Attributes:
-    params: the parameters: replicated on every device (or sharded over
+    params: the parameters, replicated on every device (or sharded over
       ``dense_axis`` where ``init`` got them so); in local-step mode each
       replica's own, with a leading axis of size ``W`` sharded over
       ``axis``.
@@ -205,9 +205,9 @@ class DataParallel:
 
   def __init__(
     self,
-    loss_fn: LossFn,
+    loss_fn: Callable[..., Any],
     tx: optax.GradientTransformation,
-    mesh: Mesh,
+    mesh: jax.sharding.Mesh,
     *,
     exchange: Any = "dense",
     local_steps: int = 0,
@@ -890,7 +890,7 @@ def data_parallel(
   tx: optax.GradientTransformation,
   mesh: Mesh,
   *,
-  exchange: Any = "dense",
+  exchange: str | exchange_lib.Exchange = "dense",
   local_steps: int = 0,
   outer_tx: optax.GradientTransformation | None = None,
   axis: str = "data",

@@ -35,8 +35,7 @@ from grpo_optax.training.compressors.shared_support import SupportState
 
 #: name -> compressor class: the exchanges, in the order the docs list them.
 REGISTRY: dict[str, type[Compressor]] = {
-  c.name: c
-  for c in (Dense, AllGather, SharedSupport, PowerSGD, Int8)
+  c.name: c for c in (Dense, AllGather, SharedSupport, PowerSGD, Int8)
 }
 
 #: The exchange names (``exchange=`` values).
@@ -112,7 +111,6 @@ def make(exchange: Any, **given: Any) -> Compressor:
       + f"; got exchange={exchange!r}."
     )
   return cls(**kwargs)
-
 
 
 def markdown_table() -> str:

@@ -260,8 +260,8 @@ class Compressor(abc.ABC):
   name: ClassVar[str]
   #: The keyword options this compressor takes.
   options: ClassVar[tuple[Option, ...]] = ()
-  #: Per option this compressor does not take (or restricts), why: added to
-  #: the error message.
+  #: Why this compressor does not take (or restricts) an option, by option
+  #: name; the reason is added to the error message.
   notes: ClassVar[dict[str, str]] = {}
   #: Whether the mean is exact and leaves nothing behind (no residual is
   #: kept: error feedback has nothing to feed back).

@@ -82,8 +82,11 @@ def init_powersgd(shapes: Sequence[Sequence[int]], rank: int, seed: int = 0):
 
 
 class PowerSGDState(NamedTuple):
-  """PowerSGD's state: ``q``, the warm-start ``Q`` per leaf (None for a leaf
-  exchanged densely), the same on every replica.
+  """PowerSGD's state, the same on every replica.
+
+  Attributes:
+    q: the warm-start ``Q`` per leaf, ``(m, r)`` float32 (None for a leaf
+      exchanged densely).
   """
 
   q: list
