@@ -461,6 +461,15 @@ class _Stage:
     # the same way).
     object.__setattr__(self, "tx", optax.with_extra_args_support(self.tx))
 
+  @property
+  def name(self) -> str:
+    """The field of a one-field stage; ``"fused(clip, mask, adaptive)"``
+    (the fields it holds) for the fused core.
+    """
+    if len(self.fields) == 1 and self.fields[0]:
+      return self.fields[0]
+    return f"fused({', '.join(f for f in self.fields if f)})"
+
 
 def _core_stages(values, cfgs) -> list[_Stage]:
   """Clip, importance (input), mask and Adam: fused where allowed."""
@@ -490,13 +499,13 @@ def _core_stages(values, cfgs) -> list[_Stage]:
     core = fused_lib.clip_mask_adam(clip=clip, mask=mask, adam=adam)
     owned = ("clip" if clip is not None else None, "mask", "adaptive")
     return stages + [_Stage(owned, core)]
-  for on, field, cfg in (
-    (clip is not None, "clip", clip),
-    (imp_in, "importance", cfgs["importance"]),
-    (mask is not None, "mask", mask),
-    (adam is not None, "adaptive", adam),
+  for field, cfg in (
+    ("clip", clip),
+    ("importance", cfgs["importance"] if imp_in else None),
+    ("mask", mask),
+    ("adaptive", adam),
   ):
-    if on:
+    if cfg is not None:
       stages.append(_Stage((field,), cfg.transform()))
   return stages
 
@@ -547,8 +556,8 @@ def _compose(stages: list[_Stage]) -> optax.GradientTransformationExtraArgs:
       if len(stage.fields) == 1:
         sub = fields[stage.fields[0]]
       else:
-        sub = fused_lib.FusedState(
-          *(fields[f] if f else None for f in stage.fields)
+        sub = fused_lib.FusedState._make(
+          fields[f] if f else None for f in stage.fields
         )
       updates, sub = stage.tx.update(updates, sub, params, **extra_args)
       _write(fields, stage, sub)
@@ -743,12 +752,7 @@ def describe(learning_rate=1e-3, **kwargs) -> tuple[str, ...]:
     >>> grpo_optax.presets.describe(fused=False)
     ('clip', 'mask', 'adaptive', 'schedule')
   """
-  return tuple(
-    stage.fields[0]
-    if len(stage.fields) == 1
-    else f"fused({', '.join(f for f in stage.fields if f)})"
-    for stage in _stages(_values(learning_rate, kwargs))
-  )
+  return tuple(stage.name for stage in _stages(_values(learning_rate, kwargs)))
 
 
 grpo.__signature__ = _signature()  # pyright: ignore[reportFunctionMemberAccess]

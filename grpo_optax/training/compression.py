@@ -32,6 +32,7 @@ from grpo_optax.training.compressors.powersgd import init_powersgd
 from grpo_optax.training.compressors.powersgd import powersgd_shape
 from grpo_optax.training.compressors.shared_support import SharedSupport
 from grpo_optax.training.compressors.shared_support import SupportState
+from grpo_optax.training.compressors.shared_support import initial_support
 from grpo_optax.training.exchange import warmup_fractions
 
 __all__ = (
@@ -92,7 +93,7 @@ def all_gather_mean(
 def init_support(sizes: Sequence[int], chunk_size: int) -> SupportState:
   """``(rate, age)`` of the replicated support: every chunk unexplored."""
   c = SharedSupport(chunk_size=chunk_size, support="replicated")
-  return c.init([(int(n),) for n in sizes])
+  return initial_support([int(n) for n in sizes], c.chunk_size)
 
 
 def shared_support_mean(

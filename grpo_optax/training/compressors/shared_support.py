@@ -20,6 +20,7 @@ sum rounds, and that rounding is not fed back). Scores:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -52,6 +53,16 @@ class SupportState(NamedTuple):
   age: jax.Array
 
 
+def initial_support(sizes: Sequence[int], chunk_size: int) -> SupportState:
+  """The replicated support's ``(rate, age)`` for leaves of ``sizes``
+  entries: every chunk unexplored.
+  """
+  m = sum(pl.chunk_rows(list(sizes), chunk_size))
+  return SupportState(
+    jnp.full((m,), jnp.inf, jnp.float32), jnp.ones((m,), jnp.float32)
+  )
+
+
 class SharedSupport(base.Compressor):
   """``exchange="shared_support"``: top chunks of the model, one psum."""
 
@@ -72,11 +83,7 @@ class SharedSupport(base.Compressor):
     del seed
     if self.support != "replicated":
       return None
-    sizes = [math.prod(s) for s in shapes]
-    m = sum(pl.chunk_rows(sizes, self.chunk_size))
-    return SupportState(
-      jnp.full((m,), jnp.inf, jnp.float32), jnp.ones((m,), jnp.float32)
-    )
+    return initial_support([math.prod(s) for s in shapes], self.chunk_size)
 
   def compress(self, accs, state, axis_name):
     matrix = pl.chunk_matrix(accs, self.chunk_size)
