@@ -103,6 +103,12 @@ BAD = [
   ("logistic_regression", ["--lr", "-1"], "--lr must be > 0, got -1.0"),
   ("logistic_regression", ["--seed", "-2"], "--seed must be >= 0, got -2"),
   ("logistic_regression", ["--lr", "fast"], "invalid float value: 'fast'"),
+  # An option the chosen exchange does not take (dense has no chunks).
+  (
+    "resnet_cifar10",
+    ["--data-parallel", "--exchange-chunk-size", "8"],
+    "--exchange-chunk-size 8 needs --exchange shared_support or int8, got --exchange dense",
+  ),
 ]
 
 
@@ -152,7 +158,16 @@ def test_a_flag_the_combination_ignores_is_refused(
   [
     ("resnet_cifar10", ["--workdir", "{tmp}", "--checkpoint-every", "10"]),
     ("resnet_cifar10", ["--optimizer", "adamw", "--weight-decay", "0.1"]),
-    ("resnet_cifar10", ["--data-parallel", "--exchange-chunk-size", "8"]),
+    (
+      "resnet_cifar10",
+      [
+        "--data-parallel",
+        "--exchange",
+        "shared_support",
+        "--exchange-chunk-size",
+        "8",
+      ],
+    ),
     ("resnet_cifar10", ["--image-size", "16"]),
     ("bert_mlm", ["--grpo-importance", "true", "--no-head-entropy"]),
     ("rl_arithmetic", ["--dynamic-sampling", "refill", "--oversample", "3"]),
