@@ -518,3 +518,46 @@ def test_the_docs_table_and_the_example_flags_read_the_table(monkeypatch):
   monkeypatch.setattr(grpo_optax, "WIRING", table[1:])
   assert f"`{table[0].keyword}`" not in wiring_table.markdown_table()
   assert table[0].keyword not in optim.grpo_knobs()
+
+
+# Keywords whose WIRING row names a field in both masks' configs, with the
+# settings under which each changes either mask and a value off its default.
+SHARED_MASK_KNOBS = {
+  "error_feedback": ({}, False),
+  "min_size": ({}, 10**6),  # every leaf passes dense
+  "accumulator_format": ({}, "bfloat16_sr"),
+  # The threshold mask reads the seed only to round a lossy accumulator.
+  "seed": ({"accumulator_format": "int8_sr"}, 3),
+}
+
+
+def test_shared_mask_knobs_are_the_rows_with_both_masks():
+  both = {
+    knob.keyword
+    for knob in grpo_optax.presets.WIRING
+    if {"topk", "threshold"} <= {m for m, _ in knob.fields}
+  }
+  assert both == set(SHARED_MASK_KNOBS)
+
+
+@pytest.mark.parametrize("sparsify", ["topk", "threshold"])
+@pytest.mark.parametrize("knob", sorted(SHARED_MASK_KNOBS))
+def test_shared_mask_keywords_reach_both_masks(knob, sparsify):
+  """Each keyword of both masks changes the mask it is given to.
+
+  ``test_grpo_equals_the_explicit_chain`` builds its chain from the
+  library's WIRING table, so it cannot see a row that lost one of its
+  fields; ``test_one_algorithm.py`` tries each keyword on the top-k only.
+  """
+  base, value = SHARED_MASK_KNOBS[knob]
+  params = _params()
+
+  def run(**kw):
+    tx = grpo_optax.grpo(sparsify=sparsify, fused=False, **base, **kw)
+    update = jax.jit(lambda g, s: tx.update(g, s, params))
+    state = tx.init(params)
+    for i in range(2):
+      u, state = update(_grads(i, params), state)
+    return u, state.mask
+
+  assert _differ(run(), run(**{knob: value})), (knob, sparsify)
