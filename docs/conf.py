@@ -104,6 +104,16 @@ def _write_claims(app) -> None:
     claims.main(["--results", "benchmarks/results", "--out", out])
 
 
+def _write_wiring(app) -> None:
+  """Renders grpo()'s parameter table from presets.WIRING."""
+  import wiring_table  # pylint: disable=import-outside-toplevel
+
+  out_dir = os.path.join(app.srcdir, "_generated")
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "grpo_parameters.md"), "w") as f:
+    f.write(wiring_table.markdown_table())
+
+
 def setup(app):
   logging.getLogger("sphinx.sphinx.directives.other").addFilter(
     _PendingPageFilter()
@@ -119,3 +129,4 @@ def setup(app):
       + ", ".join(missing)
     )
   app.connect("builder-inited", _write_claims)
+  app.connect("builder-inited", _write_wiring)

@@ -8,7 +8,7 @@ Each seed mechanism of the two source articles lives in one module:
 * :mod:`grpo_optax.momentum` -- noise filter + Nesterov + Adam/RMSProp (5).
 * :mod:`grpo_optax.clipping` -- global-norm clipping with coupled L2 (6).
 * :mod:`grpo_optax.freezing` -- dynamic freezing (9).
-* :mod:`grpo_optax.zclip` -- ZClip, clipping of gradient-norm spikes by
+* :mod:`grpo_optax.adaptive_clipping` -- ZClip, clipping of gradient-norm spikes by
   their z-score (beyond the articles).
 * :mod:`grpo_optax.quantization` -- storage formats of optimizer state
   (fp32, bf16, stochastic bf16, block-wise 8-bit).
@@ -28,6 +28,9 @@ from grpo_optax import hlo  # pylint: disable=g-bad-import-order
 from grpo_optax import quantization  # pylint: disable=g-bad-import-order
 from grpo_optax import rl  # pylint: disable=g-bad-import-order
 from grpo_optax import training  # pylint: disable=g-bad-import-order
+from grpo_optax.adaptive_clipping import ZClipConfig
+from grpo_optax.adaptive_clipping import ZClipState
+from grpo_optax.adaptive_clipping import zclip
 from grpo_optax.clipping import ClipWithL2Config
 from grpo_optax.clipping import ClipWithL2State
 from grpo_optax.clipping import clip_with_l2
@@ -60,9 +63,6 @@ from grpo_optax.sparsify import top_k_mask
 from grpo_optax.variance import ScaleByVarianceLrConfig
 from grpo_optax.variance import ScaleByVarianceLrState
 from grpo_optax.variance import scale_by_variance_lr
-from grpo_optax.zclip import ZClipConfig
-from grpo_optax.zclip import ZClipState
-from grpo_optax.zclip import zclip
 
 __version__ = "0.1.0"
 

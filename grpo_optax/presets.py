@@ -26,6 +26,8 @@ import optax
 from grpo_optax import _common
 from grpo_optax import _mechanism
 from grpo_optax import fused as fused_lib
+from grpo_optax.adaptive_clipping import ZClipConfig
+from grpo_optax.adaptive_clipping import ZClipState
 from grpo_optax.clipping import ClipWithL2Config
 from grpo_optax.clipping import ClipWithL2State
 from grpo_optax.freezing import FreezeBelowConfig
@@ -40,8 +42,6 @@ from grpo_optax.sparsify import TopKMaskConfig
 from grpo_optax.sparsify import TopKMaskState
 from grpo_optax.variance import ScaleByVarianceLrConfig
 from grpo_optax.variance import ScaleByVarianceLrState
-from grpo_optax.zclip import ZClipConfig
-from grpo_optax.zclip import ZClipState
 
 __all__ = (
   "ARTICLE_DEFAULTS",

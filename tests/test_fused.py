@@ -186,8 +186,9 @@ def test_state_holds_no_other_parameter_sized_array(kw, expected):
 
 def test_kept_fraction_of_the_sampled_top_k():
   params = {"w": jax.random.normal(jax.random.key(0), (400, 500))}
-  tx = grpo_optax.grpo(importance=False, fraction=0.3, error_feedback=False)
-  assert isinstance(tx.init(params)[0], grpo_optax.FusedState)
+  kw = dict(importance=False, fraction=0.3, error_feedback=False)
+  tx = grpo_optax.grpo(**kw)
+  assert grpo_optax.presets.describe(**kw)[0] == "fused(clip, mask, adaptive)"
   state = tx.init(params)
   g = {"w": jax.random.normal(jax.random.key(1), (400, 500))}
   out, state = jax.jit(tx.update)(g, state, params)

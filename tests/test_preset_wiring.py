@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,8 @@ import optax
 import pytest
 
 import grpo_optax
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # The form of the preset under test. When grpo() gets its one-pass form, set
 # this to dict(fused=False): the chain form must stay equal to the stages.
@@ -491,3 +494,70 @@ def test_a_keyword_removed_from_the_table_is_refused(monkeypatch):
       grpo_optax.grpo(1e-3, **{knob.keyword: knob.default})
   monkeypatch.setattr(grpo_optax.presets, "WIRING", table)
   grpo_optax.grpo(1e-3, **{k.keyword: k.default for k in table})
+
+
+def test_the_docs_table_and_the_example_flags_read_the_table(monkeypatch):
+  import sys  # pylint: disable=import-outside-toplevel
+
+  sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+  import wiring_table  # pylint: disable=import-outside-toplevel
+
+  from examples.common import optim  # pylint: disable=import-outside-toplevel
+
+  table = grpo_optax.presets.WIRING
+  rows = wiring_table.markdown_table().splitlines()[2:]
+  assert [r.split("`")[1] for r in rows] == [k.keyword for k in table]
+  assert (
+    "`TopKMaskConfig.fraction`"
+    in rows[[k.keyword for k in table].index("fraction")]
+  )
+  flags = set(optim.grpo_knobs())
+  assert flags == {k.keyword for k in table} - {"weight_decay_mask"}
+  # A row removed from the library's table leaves the docs and the flags.
+  monkeypatch.setattr(grpo_optax.presets, "WIRING", table[1:])
+  monkeypatch.setattr(grpo_optax, "WIRING", table[1:])
+  assert f"`{table[0].keyword}`" not in wiring_table.markdown_table()
+  assert table[0].keyword not in optim.grpo_knobs()
+
+
+# Keywords whose WIRING row names a field in both masks' configs, with the
+# settings under which each changes either mask and a value off its default.
+SHARED_MASK_KNOBS = {
+  "error_feedback": ({}, False),
+  "min_size": ({}, 10**6),  # every leaf passes dense
+  "accumulator_format": ({}, "bfloat16_sr"),
+  # The threshold mask reads the seed only to round a lossy accumulator.
+  "seed": ({"accumulator_format": "int8_sr"}, 3),
+}
+
+
+def test_shared_mask_knobs_are_the_rows_with_both_masks():
+  both = {
+    knob.keyword
+    for knob in grpo_optax.presets.WIRING
+    if {"topk", "threshold"} <= {m for m, _ in knob.fields}
+  }
+  assert both == set(SHARED_MASK_KNOBS)
+
+
+@pytest.mark.parametrize("sparsify", ["topk", "threshold"])
+@pytest.mark.parametrize("knob", sorted(SHARED_MASK_KNOBS))
+def test_shared_mask_keywords_reach_both_masks(knob, sparsify):
+  """Each keyword of both masks changes the mask it is given to.
+
+  ``test_grpo_equals_the_explicit_chain`` builds its chain from the
+  library's WIRING table, so it cannot see a row that lost one of its
+  fields; ``test_one_algorithm.py`` tries each keyword on the top-k only.
+  """
+  base, value = SHARED_MASK_KNOBS[knob]
+  params = _params()
+
+  def run(**kw):
+    tx = grpo_optax.grpo(sparsify=sparsify, fused=False, **base, **kw)
+    update = jax.jit(lambda g, s: tx.update(g, s, params))
+    state = tx.init(params)
+    for i in range(2):
+      u, state = update(_grads(i, params), state)
+    return u, state.mask
+
+  assert _differ(run(), run(**{knob: value})), (knob, sparsify)

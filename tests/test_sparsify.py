@@ -236,6 +236,39 @@ def test_sampled_topk_warmup_first_step_is_dense():
   np.testing.assert_array_equal(state.residual["w"], np.zeros(200_000))
 
 
+def test_sampled_topk_warmup_ramps_from_dense_to_fraction():
+  """The sampled top-k (grpo's default, the fused core's mask) ramps as the
+  exact one does: a leaf of 1,000 entries is its own sample, so the kept
+  counts are exact.
+  """
+  tx = grpo_optax.top_k_mask(
+    0.1, method="sampled", warmup_steps=4, error_feedback=False
+  )
+  g = {
+    "w": jnp.asarray(np.random.default_rng(0).normal(size=1000), jnp.float32)
+  }
+  state = tx.init(g)
+  update = jax.jit(tx.update)
+  kept = []
+  for _ in range(6):
+    out, state = update(g, state)
+    kept.append(int(jnp.sum(out["w"] != 0)))
+  expected = [math.ceil(0.1 ** (min(t, 4) / 4) * 1000) for t in range(6)]
+  assert kept == expected
+
+
+def test_sampled_topk_min_size_passes_small_leaves_dense():
+  g = {"big": jnp.arange(1.0, 1001.0), "small": jnp.arange(1.0, 51.0)}
+  tx = grpo_optax.top_k_mask(0.1, method="sampled", min_size=100)
+  out, _ = tx.update(g, tx.init(g))
+  np.testing.assert_array_equal(out["small"], g["small"])
+  assert int(jnp.sum(out["big"] != 0)) == 100
+  # a leaf of exactly min_size entries is sparsified
+  tx = grpo_optax.top_k_mask(0.1, method="sampled", min_size=50)
+  out, _ = tx.update(g, tx.init(g))
+  assert int(jnp.sum(out["small"] != 0)) == 5
+
+
 def test_ema_threshold_min_size_passes_small_leaves_dense():
   g = {"big": jnp.arange(1.0, 1001.0), "small": jnp.arange(1.0, 51.0)}
   tx = grpo_optax.ema_threshold_mask(min_size=100)

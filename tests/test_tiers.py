@@ -42,6 +42,24 @@ def test_report_reader_picks_the_slow_cases(tmp_path):
   assert slow_tests.slow_in_report(str(report), 4.0) == {"test_a.py::test_x[1]"}
 
 
+def test_report_lists_the_slowest_first(tmp_path, capsys):
+  report = tmp_path / "r.xml"
+  report.write_text(
+    '<testsuites><testsuite><testcase classname="tests.test_a" '
+    'name="test_x" time="1.5"/><testcase classname="tests.test_b" '
+    'name="test_y" time="7.0"/><testcase classname="tests.test_a" '
+    'name="test_z" time="0.2"/></testsuite></testsuites>'
+  )
+  assert slow_tests.slowest(str(report), 2) == [
+    (7.0, "test_b.py::test_y"),
+    (1.5, "test_a.py::test_x"),
+  ]
+  slow_tests.main([str(report), "--top", "1"])
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].split() == ["7.00", "s", "test_b.py::test_y"]
+  assert out[1].split()[0] == "8.7"
+
+
 # Hooks that run in an xdist worker after it has reported "finished" (its
 # terminal summary and unconfigure): execnet sends the worker a SIGINT when
 # they take more than 5 s, and the KeyboardInterrupt, raised inside whatever

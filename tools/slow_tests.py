@@ -9,6 +9,11 @@ Every test of the report that took ``--seconds`` or more is added to the
 list (tests already listed stay listed), except the invariants of
 ``KEEP_FAST``, which the fast tier always runs. ``tests/conftest.py`` marks
 the listed tests ``slow``.
+
+``--top 20`` only prints the 20 slowest tests of the report (seconds, name)
+and the report's total, and writes nothing::
+
+  python tools/slow_tests.py /tmp/fast.xml --top 20
 """
 
 from __future__ import annotations
@@ -57,11 +62,34 @@ def slow_in_report(report: str, seconds: float) -> set[str]:
   return out
 
 
-def main() -> None:
+def slowest(report: str, top: int) -> list[tuple[float, str]]:
+  """The ``top`` slowest test cases of a junit report, slowest first."""
+  cases = [
+    (
+      float(case.get("time", 0)),
+      f"{case.get('classname', '').rsplit('.', 1)[-1]}.py::{case.get('name')}",
+    )
+    for case in ET.parse(report).iter("testcase")
+  ]
+  return sorted(cases, reverse=True)[:top]
+
+
+def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("report", help="junit xml of a fast-tier run")
+  parser.add_argument("report", help="junit xml of a test run")
   parser.add_argument("--seconds", type=float, default=4.0)
-  args = parser.parse_args()
+  parser.add_argument(
+    "--top", type=int, default=0, help="only print the N slowest tests"
+  )
+  args = parser.parse_args(argv)
+  if args.top:
+    total = sum(
+      float(c.get("time", 0)) for c in ET.parse(args.report).iter("testcase")
+    )
+    for seconds, name in slowest(args.report, args.top):
+      print(f"{seconds:7.2f} s  {name}")
+    print(f"{total:7.1f} s  all tests of the report (CPU-seconds, summed)")
+    return
   names = (read_listed() | slow_in_report(args.report, args.seconds)) - (
     KEEP_FAST
   )

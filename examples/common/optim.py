@@ -1,15 +1,15 @@
 """Optimizer flags shared by the examples.
 
 ``add_optimizer_flags`` adds ``--optimizer``, ``--lr`` and schedule flags, and
-one ``--grpo-<knob>`` flag per keyword-only parameter of ``grpo_optax.grpo``,
-generated from its signature so that the flags never drift from the library.
+one ``--grpo-<knob>`` flag per keyword of ``grpo_optax.grpo``, generated from
+the library's wiring table (``grpo_optax.WIRING``) so that the flags never
+drift from the library.
 ``make_optimizer`` turns the parsed namespace into an optax transformation.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -78,14 +78,18 @@ def _flag_type(default: Any) -> Callable[[str], Any]:
 
 
 def grpo_knobs() -> dict[str, Any]:
-  """The keyword-only parameters of ``grpo_optax.grpo`` and their defaults."""
-  params = inspect.signature(grpo_optax.grpo).parameters.values()
+  """The keywords of ``grpo_optax.grpo`` (``grpo_optax.WIRING``) and their
+  defaults.
+  """
   # A tree-valued keyword has no command-line form.
   return {
-    p.name: p.default
-    for p in params
-    if p.kind is p.KEYWORD_ONLY and p.name != "weight_decay_mask"
+    k.keyword: k.default
+    for k in grpo_optax.WIRING
+    if k.keyword != "weight_decay_mask"
   }
+
+
+_HELP = {k.keyword: k.help for k in grpo_optax.WIRING}
 
 
 def add_optimizer_flags(
@@ -129,7 +133,7 @@ def add_optimizer_flags(
     "(default: the library's default; 'none' passes None).",
   )
   for name, default in grpo_knobs().items():
-    help_text = f"grpo(..., {name}=...). Library default: {default!r}."
+    help_text = f"{_HELP[name]} (grpo's {name}=; default {default!r})."
     if name == "seed":
       help_text += " Unset: follows --seed."
     knobs.add_argument(
