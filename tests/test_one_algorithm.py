@@ -250,7 +250,9 @@ KNOBS = {
   "seed": ({"min_size": 0}, 3),
   "accumulator_format": ({}, "int8_sr"),
   "zclip": ({"zclip_warmup_steps": 1}, 0.5),
-  "zclip_alpha": ({"zclip": 0.5, "zclip_warmup_steps": 1}, 0.2),
+  # Two warm-up steps give the statistics a spread; a tiny threshold clips
+  # the next norms to a bound the EMA weight moves.
+  "zclip_alpha": ({"zclip": 0.01, "zclip_warmup_steps": 2}, 0.2),
   "zclip_warmup_steps": ({"zclip": 0.5}, 1),
 }
 
