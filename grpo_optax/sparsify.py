@@ -406,11 +406,20 @@ def _varying_like(value: jax.Array, *xs) -> jax.Array:
   return jax.lax.pcast(value, tuple(sorted(axes)), to="varying")
 
 
-def _group_key(x: jax.Array) -> tuple:
-  """Samples of one key are stacked: same shape, dtype and (on an Explicit
-  mesh) sharding, so the stack is laid out as each of them is.
+def _group_key(x: jax.Array, j: int) -> tuple:
+  """Samples of one key are stacked: same shape, dtype and layout.
+
+  The layout is known at trace time on one device and on an Explicit mesh.
+  With several devices and no explicit spec (an Auto mesh) it is not, and
+  stacking samples of differently sharded leaves lets XLA's sharding
+  propagation give a leaf's update the layout of another leaf's sample (an
+  update sharded ``P('data', 'model')`` for a ``P('data', None)`` param):
+  there each sample is a group of its own.
   """
-  return (x.shape, jnp.result_type(x), _common.explicit_spec(x))
+  spec = _common.explicit_spec(x)
+  if spec is None and jax.device_count() > 1:
+    return (j,)
+  return (x.shape, jnp.result_type(x), spec)
 
 
 def bisect_thresholds(samples: list[jax.Array], fraction):
@@ -441,7 +450,7 @@ def bisect_thresholds(samples: list[jax.Array], fraction):
     return jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32)
   groups: dict[tuple, list[int]] = {}
   for j, x in enumerate(samples):
-    groups.setdefault(_group_key(x), []).append(j)
+    groups.setdefault(_group_key(x, j), []).append(j)
   thr_parts, kept_parts, order = [], [], []
   for js in groups.values():
     stacked = jnp.stack(jax.lax.optimization_barrier([samples[j] for j in js]))
