@@ -74,14 +74,14 @@ def _wrapped_states(steps=4):
   states = {name: tx.init(params) for name, tx in txs.items()}
 
   @jax.jit
-  def update(states, grads):
+  def update(states, grads, params):
     return {
       name: tx.update(grads, states[name], params)[1]
       for name, tx in txs.items()
     }
 
   for i in range(steps):
-    states = update(states, _grads(i))
+    states = update(states, _grads(i), params)
   return states
 
 
