@@ -6,6 +6,8 @@ residual all read the stored value, so the error feedback loses nothing on
 average; both forms of ``grpo()`` store and read it the same way.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,23 +39,40 @@ def _grads(step):
   }
 
 
-def _run(tx, steps=5):
+@functools.cache
+def _both_forms(fmt, sparsify_mode, steps=5):
+  """Updates and states of each step of the fused core and of the chain.
+
+  Both forms step in one jitted program: one compilation, not two (XLA
+  dedupes the kernels they share). Computed once per worker.
+  """
+  kw = dict(sparsify=sparsify_mode, accumulator_format=fmt)
+  txs = (
+    grpo_optax.grpo(1e-2, fused=True, **kw),
+    grpo_optax.grpo(1e-2, fused=False, **kw),
+  )
   params = _params()
-  state = tx.init(params)
-  update = jax.jit(tx.update)
-  outs = []
+  states = tuple(tx.init(params) for tx in txs)
+
+  @jax.jit
+  def update(grads, states, params):
+    return tuple(tx.update(grads, s, params) for tx, s in zip(txs, states))
+
+  outs = ([], [])
   for t in range(steps):
-    u, state = update(_grads(t), state, params)
-    outs.append(u)
-  return outs, state
+    steps_out = update(_grads(t), states, params)
+    states = tuple(s for _, s in steps_out)
+    for form, o in zip(outs, steps_out):
+      form.append(o)
+  return outs  # per form: [(updates, state) of each step]
 
 
 @pytest.mark.parametrize("sparsify_mode", ["topk", "threshold"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fused_core_equals_the_chain(fmt, sparsify_mode):
-  kw = dict(sparsify=sparsify_mode, accumulator_format=fmt)
-  fused, s_fused = _run(grpo_optax.grpo(1e-2, fused=True, **kw))
-  chain, s_chain = _run(grpo_optax.grpo(1e-2, fused=False, **kw))
+  fused_steps, chain_steps = _both_forms(fmt, sparsify_mode)
+  fused, chain = [u for u, _ in fused_steps], [u for u, _ in chain_steps]
+  s_fused, s_chain = fused_steps[-1][1], chain_steps[-1][1]
   for a, b in zip(fused, chain):
     for k in a:
       np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-9)
@@ -151,8 +170,9 @@ def test_error_feedback_loses_nothing_on_average(fmt):
 
 
 def test_metrics_read_an_8bit_accumulator():
-  tx = grpo_optax.grpo(1e-2, accumulator_format="int8_sr")
-  _, state = _run(tx, steps=3)
+  # grpo(1e-2, accumulator_format="int8_sr") after 3 steps (its default
+  # form, the fused core, is topk), from the run of the test above.
+  _, state = _both_forms("int8_sr", "topk")[0][2]
   m = grpo_optax.metrics(state)
   kept = [v for k, v in m.items() if "kept_fraction" in k]
   assert kept and 0.2 < float(kept[0]) < 0.5
@@ -176,7 +196,8 @@ def test_optax_wrappers_and_the_dtype_of_updates():
   tx = grpo_optax.grpo(1e-2, accumulator_format="int8_sr")
   params = _params()
   g = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _grads(0))
-  u, _ = jax.jit(tx.update)(g, tx.init(params), params)
+  # Dtypes are decided when tracing: no need to compile and run.
+  u, _ = jax.eval_shape(tx.update, g, tx.init(params), params)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(u))
   ms = optax.MultiSteps(tx, 2)
   state = ms.init(params)

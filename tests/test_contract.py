@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,9 +41,22 @@ def _grads(params, i):
   )
 
 
-def _run(tx, params, steps, jit=True):
+@functools.cache
+def _jitted(name):
+  """A case's transform and its jitted update, shared by this worker's tests.
+
+  Each test of the same case and inputs then reuses one compilation.
+  """
+  tx = _BY_NAME[name].make()
+  return tx, jax.jit(tx.update)
+
+
+_BY_NAME = {case.name: case for case in CASES}
+
+
+def _run(tx, params, steps, update=None):
   state = tx.init(params)
-  update = jax.jit(tx.update) if jit else tx.update
+  update = update or jax.jit(tx.update)
   outs = []
   for i in range(steps):
     u, state = update(_grads(params, i), state, params)
@@ -76,14 +91,16 @@ def test_no_recompilation(case):
 def test_unknown_extra_args_accepted(case):
   tx = case.make()
   params = _params()
-  u1, _ = tx.update(_grads(params, 0), tx.init(params), params)
-  u2, _ = tx.update(
-    _grads(params, 0),
-    tx.init(params),
-    params,
-    unknown_arg=jnp.ones(3),
-    another=None,
-  )
+
+  # Both updates in one compiled program (one compilation, not an op-by-op
+  # run of each).
+  @jax.jit
+  def both(g, s, p):
+    u1, _ = tx.update(g, s, p)
+    u2, _ = tx.update(g, s, p, unknown_arg=jnp.ones(3), another=None)
+    return u1, u2
+
+  u1, u2 = both(_grads(params, 0), tx.init(params), params)
   chex_equal(u1, u2)
 
 
@@ -94,7 +111,8 @@ def chex_equal(a, b):
 @cases
 def test_inject_hyperparams_identical(case):
   params = _params()
-  plain, _, _ = _run(case.make(), params, 4)
+  tx, update = _jitted(case.name)
+  plain, _, _ = _run(tx, params, 4, update)
   injected_tx = optax.inject_hyperparams(
     case.factory, static_args=case.static_args
   )(**case.kwargs)
@@ -220,10 +238,9 @@ def test_sharded_params_give_sharded_updates(case):
   }
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   sharded = jax.device_put(params, shardings)
-  tx = case.make()
+  tx, update = _jitted(case.name)
   state_ref = tx.init(params)
   state = jax.jit(tx.init)(sharded)
-  update = jax.jit(tx.update)
   for i in range(3):
     g_ref = _grads(params, i)
     u_ref, state_ref = update(g_ref, state_ref, params)
@@ -301,9 +318,8 @@ def test_state_serialization_roundtrip(case):
   """State survives a host round trip (pickle of NumPy arrays), as checkpoints do."""
   import pickle  # pylint: disable=g-import-not-at-top
 
-  tx = case.make()
+  tx, update = _jitted(case.name)
   params = _params()
-  update = jax.jit(tx.update)
   state = tx.init(params)
   for i in range(2):
     _, state = update(_grads(params, i), state, params)

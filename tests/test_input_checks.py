@@ -284,10 +284,16 @@ def _update_dtype(tx, grad_dtype, param_dtype):
   params = {"w": jnp.linspace(-1, 1, 64 * 32).reshape(64, 32)}
   params = jax.tree.map(lambda p: p.astype(param_dtype), params)
   grads = jax.tree.map(lambda p: (0.1 * p + 0.01).astype(grad_dtype), params)
-  state = tx.init(params)
-  for _ in range(2):
-    updates, state = tx.update(grads, state, params)
-  return updates["w"].dtype
+
+  def two_steps(grads, params):
+    state = tx.init(params)
+    for _ in range(2):
+      updates, state = tx.update(grads, state, params)
+    return updates
+
+  # Dtypes are decided when tracing: eval_shape gives those of a run without
+  # compiling or running it.
+  return jax.eval_shape(two_steps, grads, params)["w"].dtype
 
 
 @pytest.mark.parametrize("grad_dtype, param_dtype", DTYPES)

@@ -38,16 +38,32 @@ def _grads(t):
   }
 
 
-def _run(tx, steps):
-  params = _params()
-  state = tx.init(params)
-  update = jax.jit(tx.update)
-  outs = []
+def _run_both(tx_a, tx_b, steps):
+  """Each transform's updates over ``steps`` steps and its last state.
+
+  Both step in one jitted program, each on its own params: one
+  compilation, not two (XLA dedupes the kernels they share).
+  """
+  txs = (tx_a, tx_b)
+  params = (_params(), _params())
+  states = tuple(tx.init(p) for tx, p in zip(txs, params))
+
+  @jax.jit
+  def step(grads, states, params):
+    out = []
+    for tx, s, p in zip(txs, states, params):
+      u, s = tx.update(grads, s, p)
+      out.append((u, s, optax.apply_updates(p, u)))
+    return tuple(out)
+
+  outs = ([], [])
   for t in range(steps):
-    u, state = update(_grads(t), state, params)
-    outs.append(u)
-    params = optax.apply_updates(params, u)
-  return outs, state
+    out = step(_grads(t), states, params)
+    states = tuple(s for _, s, _ in out)
+    params = tuple(p for _, _, p in out)
+    for form, (u, _, _) in zip(outs, out):
+      form.append(u)
+  return (outs[0], states[0]), (outs[1], states[1])
 
 
 # Grids of settings the fused core honours; together they set every keyword
@@ -134,8 +150,7 @@ def test_fused_core_equals_the_chain_of_its_rooms(name):
   kw = GRID[name]
   fused_tx = grpo_optax.grpo(**kw)
   chain_tx = grpo_optax.grpo(**kw, fused=False)
-  u_f, s_f = _run(fused_tx, 20)
-  u_c, s_c = _run(chain_tx, 20)
+  (u_f, s_f), (u_c, s_c) = _run_both(fused_tx, chain_tx, 20)
   # The default form really is the fused core; the chain really is not.
   assert any(s.startswith("fused") for s in grpo_optax.presets.describe(**kw))
   assert not any(
@@ -268,8 +283,11 @@ def test_knob_table_covers_every_keyword():
 def test_every_keyword_changes_the_update(name, fused):
   base, value = KNOBS[name]
   steps = 4
-  u0, _ = _run(grpo_optax.grpo(**base, fused=fused), steps)
-  u1, _ = _run(grpo_optax.grpo(**{**base, name: value}, fused=fused), steps)
+  (u0, _), (u1, _) = _run_both(
+    grpo_optax.grpo(**base, fused=fused),
+    grpo_optax.grpo(**{**base, name: value}, fused=fused),
+    steps,
+  )
   diff = max(
     float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
     for x, y in zip(u0, u1)
