@@ -84,7 +84,9 @@ def head_entropy_tree(
     head_axis = 1 if projection != "out" and kind == "kernel" else 0
     return grpo_optax.per_head(entropies[int(layer)], head_axis, x.ndim)
 
-  return jax.tree_util.tree_map_with_path(leaf, nnx.as_pure(grads))
+  return jax.tree_util.tree_map_with_path(
+    leaf, (getattr(nnx, "as_pure", None) or nnx.pure)(grads)
+  )
 
 
 def _mlm_metrics(logits, targets):

@@ -32,7 +32,9 @@ def optimizer_diagnostics(optimizer: nnx.Optimizer) -> dict[str, np.ndarray]:
   """
   if _grpo_metrics is None:
     return {}
-  opt_state = nnx.as_pure(optimizer.opt_state)  # The plain optax state.
+  opt_state = (getattr(nnx, "as_pure", None) or nnx.pure)(
+    optimizer.opt_state
+  )  # The plain optax state.
   return {
     name: np.asarray(value) for name, value in _grpo_metrics(opt_state).items()
   }

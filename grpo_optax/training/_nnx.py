@@ -131,12 +131,14 @@ def split_model_with_state(
   graphdef, params, state, rest = nnx.split(model, wrt, mutable, ...)
   # Pure states (arrays, no Variable objects): what optax sees, and merged
   # into fresh variables at the trace level of each call.
-  params, state, rest = (nnx.as_pure(t) for t in (params, state, rest))
+  # flax 0.12.2 (the lowest supported) names it nnx.pure.
+  as_pure = getattr(nnx, "as_pure", None) or nnx.pure
+  params, state, rest = (as_pure(t) for t in (params, state, rest))
 
   def pure_loss(p, s, batch, key):
     m = nnx.merge(graphdef, p, s, rest)
     loss, aux = loss_fn(m, batch, key)
-    return loss, (nnx.as_pure(nnx.state(m, mutable)), aux)
+    return loss, (as_pure(nnx.state(m, mutable)), aux)
 
   def merge(p, s):
     return nnx.merge(graphdef, p, s, rest)
