@@ -203,3 +203,29 @@ def test_optax_wrappers_and_the_dtype_of_updates():
   state = ms.init(params)
   u, state = jax.jit(ms.update)(_grads(0), state, params)
   assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(u))
+
+
+@pytest.mark.parametrize("sparsify_mode", ["topk", "threshold"])
+@pytest.mark.parametrize("fmt", ["bfloat16_sr", "int8_sr"])
+def test_no_step_far_larger_than_the_float32_accumulators(fmt, sparsify_mode):
+  # The same gradients through grpo() with a float32 and a compact
+  # accumulator: the compact one's largest |update| over 12 steps stays
+  # within 1.5x of the float32 run's (the rounding is unbiased; a lost
+  # scale or a saturated code would release a burst).
+  def largest(acc_format):
+    tx = grpo_optax.grpo(
+      1e-2, sparsify=sparsify_mode, every=3, accumulator_format=acc_format
+    )
+    params = _params()
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    out = 0.0
+    for t in range(12):
+      u, state = update(_grads(t), state, params)
+      out = max(
+        out, max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(u))
+      )
+    return out
+
+  reference = largest("float32")
+  assert 0 < largest(fmt) <= 1.5 * reference
