@@ -1,4 +1,8 @@
-"""tools/mutants.py finds its snippets by tokens, so a reformat keeps them."""
+"""The curated mutants (tools/curated_mutants.py) are found by tokens, so a
+reformat keeps them; cosmic-ray applies them through the repository's plugin
+(tools/mutation/grpo_mutation) exactly as the anchoring does, and runs each
+one's own tests.
+"""
 
 import importlib.util
 import pathlib
@@ -76,3 +80,36 @@ def test_every_mutant_applies_to_the_tree_and_to_a_formatted_copy():
   ]
   assert not problems, problems
   assert mutants.check_reformat(mutants.MUTANTS) == []
+
+
+def test_cosmic_ray_operator_applies_the_snippet_once_by_tokens():
+  from cosmic_ray.mutating import mutate_code
+  from grpo_mutation.operators import CuratedSnippet
+
+  old, new = "jnp.maximum(x * scale, 0.0)", "jnp.minimum(x * scale, 0.0)"
+  op = CuratedSnippet(name="m", old=old, new=new)
+  assert mutate_code(FORMATTED, op, 0) == mutants.apply_mutant(
+    FORMATTED, _mutant(old, new)
+  )
+  assert mutate_code(FORMATTED, op, 1) is None  # one position per module
+  assert mutate_code("x = 1\n", op, 0) is None  # not in this module
+  twice = CuratedSnippet(name="m", old="y", new="z")
+  with pytest.raises(ValueError, match="found 2 times"):
+    mutate_code(FORMATTED, twice, 0)
+
+
+def test_distributor_runs_each_mutants_own_tests():
+  from cosmic_ray.work_item import MutationSpec
+  from cosmic_ray.work_item import WorkItem
+  from grpo_mutation.distributor import test_command_for
+
+  def item(args):
+    spec = MutationSpec("f.py", "grpo/CuratedSnippet", 0, (1, 0), (1, 1), args)
+    return WorkItem.single("job", spec)
+
+  node = "tests/t.py::test_x[a-b]"
+  cmd = test_command_for("pytest -x {tests}", item({"tests": [node, "u.py"]}))
+  assert cmd == "pytest -x 'tests/t.py::test_x[a-b]' u.py"
+  assert test_command_for("pytest {tests}", item({}), ["v.py"]) == "pytest v.py"
+  with pytest.raises(ValueError, match="names no tests"):
+    test_command_for("pytest {tests}", item({}))
