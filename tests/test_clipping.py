@@ -1,4 +1,9 @@
-"""clip_with_l2: optax limit case, NumPy reference, counters, NaN, bad input."""
+"""clip_with_l2: optax limit case, NumPy reference, counters, NaN, bad input;
+the metrics, empty and one-element leaves, the boundary norm and the defaults
+(survivors of cosmic-ray's operators, tools/mutants.py --broad clipping).
+"""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -103,3 +108,58 @@ def test_mismatched_params_tree():
 def test_bad_input(kwargs, name):
   with pytest.raises(ValueError, match=name + r" must be in"):
     grpo_optax.clip_with_l2(**kwargs)
+
+
+def test_metrics_are_the_clip_rate_the_clipped_steps_and_the_last_norm():
+  tx = grpo_optax.clip_with_l2(max_norm=1.0)
+  state = tx.init({})
+  fresh = state.metrics()
+  assert float(fresh["clip_rate"]) == 0.0  # no step yet: 0, not 0 / 0
+  rates = []
+  for w in ([3.0, 4.0], [0.3, 0.4], [0.0, 0.5]):  # norms 5, 0.5, 0.5
+    _, state = tx.update({"w": jnp.array(w)}, state)
+    rates.append(float(state.metrics()["clip_rate"]))
+  np.testing.assert_allclose(rates, [1.0, 1 / 2, 1 / 3], rtol=1e-6)
+  m = state.metrics()
+  assert int(m["clipped_steps"]) == 1
+  np.testing.assert_allclose(m["grad_norm"], 0.5, rtol=1e-6)
+
+
+def test_norm_skips_only_empty_leaves():
+  # Leaves in key order: an empty leaf first must not end the sum, and a
+  # one-element leaf counts.
+  g = {"a": jnp.zeros((0,)), "b": jnp.array(3.0), "c": jnp.array([0.0, 4.0])}
+  tx = grpo_optax.clip_with_l2(max_norm=1.0)
+  u, state = tx.update(g, tx.init({}))
+  np.testing.assert_allclose(state.last_norm, 5.0, rtol=1e-6)
+  np.testing.assert_allclose(u["b"], 0.6, rtol=1e-6)
+  np.testing.assert_allclose(u["c"], [0.0, 0.8], rtol=1e-6)
+  assert u["a"].shape == (0,)
+
+
+def test_a_norm_below_one_is_reported_and_left_unclipped():
+  tx = grpo_optax.clip_with_l2(max_norm=1.0)
+  g = {"w": jnp.array([0.03, 0.04])}
+  u, state = tx.update(g, tx.init({}))
+  np.testing.assert_allclose(state.last_norm, 0.05, rtol=1e-6)
+  np.testing.assert_allclose(u["w"], g["w"], rtol=1e-6)
+
+
+def test_a_norm_equal_to_max_norm_is_not_counted_as_clipped():
+  tx = grpo_optax.clip_with_l2(max_norm=5.0)
+  g = {"w": jnp.array([3.0, 4.0])}  # norm exactly 5 in float32
+  u, state = tx.update(g, tx.init({}))
+  assert int(state.clipped) == 0
+  np.testing.assert_allclose(u["w"], g["w"], rtol=1e-6)
+
+
+def test_defaults_and_a_frozen_config():
+  u, state = grpo_optax.clip_with_l2().update(
+    {"w": jnp.array([3.0, 4.0])}, grpo_optax.clip_with_l2().init({})
+  )
+  np.testing.assert_allclose(u["w"], [0.6, 0.8], rtol=1e-6)  # max_norm 1
+  assert int(state.clipped) == 1
+  cfg = grpo_optax.ClipWithL2Config()
+  assert float(cfg.max_norm) == 1.0 and cfg.l2 is None and not cfg.l2_on
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.max_norm = 2.0

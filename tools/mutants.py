@@ -16,7 +16,8 @@ tools/mutation``, which installs cosmic-ray and this repository's plugins):
 A run works on a copy of the repository's files under ``.mutants/<set>/``
 (cosmic-ray mutates files in place; the working tree is never touched), with
 the cosmic-ray config and session there: ``--resume`` runs what an
-interrupted session left pending, and ``cr-report`` reads the session.
+interrupted session left pending, ``--rerun-survivors`` runs a session's
+survivors again against the current tests, and ``cr-report`` reads it.
 Before the mutants, the covering tests run on the unmutated copy (a mutant
 is only killed by a test that passed without it).
 
@@ -25,6 +26,7 @@ Usage (from the repository root, in the dev environment)::
   python tools/mutants.py                   # every curated mutant
   python tools/mutants.py --only 'freeze_*,topk_sampled_*'
   python tools/mutants.py --broad clipping,variance
+  python tools/mutants.py --broad clipping --rerun-survivors  # after new tests
   python tools/mutants.py --list            # names, files, snippet status
   python tools/mutants.py --check           # only validate the snippets
   python tools/mutants.py --check-reformat  # ... also on a ruff-formatted copy
@@ -39,6 +41,7 @@ the fast tier); a run is not part of CI (minutes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import os
 import platform
@@ -446,10 +449,33 @@ def _broad_report(module: str, session: Path, log) -> bool:
   return not count["survived"] and not count["error"] and len(done) == total
 
 
-def _prepare(work: Path, resume: bool) -> tuple[Path, bool]:
-  """The copy under work/; (its path, whether an earlier session is kept)."""
+def _forget_survivors(session: Path) -> int:
+  """Drops the results of the survived and incompetent items of a session,
+  so that ``cosmic-ray exec`` runs them again; returns how many.
+  """
+  import sqlite3
+
+  with contextlib.closing(sqlite3.connect(session)) as db, db:
+    return db.execute(
+      "DELETE FROM work_results WHERE worker_outcome != 'SKIPPED'"
+      " AND (test_outcome IS NULL OR test_outcome != 'KILLED')"
+    ).rowcount
+
+
+def _prepare(work: Path, args, log) -> tuple[Path, bool]:
+  """The copy under work/; (its path, whether an earlier session is kept).
+
+  ``--resume`` keeps the copy and the session; ``--rerun-survivors`` keeps
+  the session but copies the repository again (the new tests) and forgets
+  the survivors' results.
+  """
   tree, session = work / "tree", work / "session.sqlite"
-  if resume and session.is_file() and tree.is_dir():
+  if (args.resume or args.rerun_survivors) and session.is_file():
+    if args.rerun_survivors or not tree.is_dir():
+      _make_copy(tree)
+      _check_import(tree)
+    if args.rerun_survivors:
+      log(f"  {_forget_survivors(session)} survivors to run again")
     return tree, True
   work.mkdir(parents=True, exist_ok=True)
   session.unlink(missing_ok=True)
@@ -467,7 +493,7 @@ def run_curated(mutants, work: Path, args, log) -> bool:
       log("  " + _line("ERROR", m.name, ": " + problem))
     else:
       runnable.append(m)
-  tree, resumed = _prepare(work, args.resume)
+  tree, resumed = _prepare(work, args, log)
   config, session = work / "config.toml", work / "session.sqlite"
   if not resumed:
     config.write_text(
@@ -495,7 +521,7 @@ def run_curated(mutants, work: Path, args, log) -> bool:
 def run_broad(module: str, work: Path, args, log) -> bool:
   """cosmic-ray's operators over grpo_optax/<module>.py."""
   test_file = f"tests/test_{module}.py"
-  tree, resumed = _prepare(work, args.resume)
+  tree, resumed = _prepare(work, args, log)
   config, session = work / "config.toml", work / "session.sqlite"
   if not resumed:
     config.write_text(
@@ -588,6 +614,12 @@ def _parser() -> argparse.ArgumentParser:
     "--resume",
     action="store_true",
     help="run what the session in .mutants/ left pending",
+  )
+  ap.add_argument(
+    "--rerun-survivors",
+    action="store_true",
+    help="run the survivors of the session in .mutants/ again, against the"
+    " working tree's current tests",
   )
   ap.add_argument(
     "--workdir",
