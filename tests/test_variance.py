@@ -1,4 +1,10 @@
-"""scale_by_variance_lr: identity limit, NumPy reference, extra arg, bad input."""
+"""scale_by_variance_lr: identity limit, NumPy reference, extra arg, bad input;
+the defaults, eps, reduction names, a negative grad_variance and the metrics
+of an empty tree (survivors of cosmic-ray's operators, tools/mutants.py
+--broad variance).
+"""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -163,3 +169,77 @@ def test_bad_input(kwargs, name):
 def test_unknown_reduction():
   with pytest.raises(ValueError, match="reduction must be one of"):
     grpo_optax.scale_by_variance_lr(reduction="mean")
+
+
+def test_defaults_match_the_reference_and_the_config_is_frozen():
+  cfg = grpo_optax.ScaleByVarianceLrConfig()
+  np.testing.assert_allclose(
+    [cfg.coef, cfg.decay, cfg.eps], [0.1, 0.99, 1e-12], rtol=1e-6
+  )
+  assert cfg.reduction == "leaf" and cfg.normalize is False
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.coef = 0.2
+  grads = _seq(5)
+  outs, _ = _run(grpo_optax.scale_by_variance_lr(normalize=True), grads)
+  ref, _ = _numpy_reference(grads, 0.1, 0.99, 1e-12, "leaf", True)
+  for u, r in zip(outs, ref):
+    for k in r:
+      np.testing.assert_allclose(u[k], r[k], rtol=2e-6, atol=1e-7)
+
+
+def test_eps_is_added_to_the_normaliser():
+  grads = _seq(5)
+  tx = grpo_optax.scale_by_variance_lr(
+    coef=0.7, decay=0.9, eps=0.5, normalize=True
+  )
+  outs, _ = _run(tx, grads)
+  ref, _ = _numpy_reference(grads, 0.7, 0.9, 0.5, "leaf", True)
+  for u, r in zip(outs, ref):
+    for k in r:
+      np.testing.assert_allclose(u[k], r[k], rtol=2e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("reduction", ["element", "leaf", "global"])
+def test_reduction_names_are_compared_by_value(reduction):
+  # A name built at run time is an equal string but another object. Shapes
+  # of this test only: a jit cache hit would reuse another test's trace.
+  name = "".join(list(reduction))
+  assert name == reduction and name is not reduction
+  rng = np.random.default_rng(5)
+  grads = [
+    {
+      "a": rng.normal(size=(3, 11)).astype(np.float32),
+      "z": rng.normal(size=(11,)).astype(np.float32),
+    }
+    for _ in range(4)
+  ]
+  tx = grpo_optax.scale_by_variance_lr(coef=0.7, decay=0.9, reduction=name)
+  outs, _ = _run(tx, grads)
+  ref, _ = _numpy_reference(grads, 0.7, 0.9, 0.0, reduction, False)
+  for u, r in zip(outs, ref):
+    for k in r:
+      np.testing.assert_allclose(u[k], r[k], rtol=2e-4, atol=1e-7)
+
+
+def test_global_mean_of_a_one_element_tree():
+  grads = [{"s": np.float32(x)} for x in (1.0, -2.0, 3.0)]
+  tx = grpo_optax.scale_by_variance_lr(coef=0.7, decay=0.9, reduction="global")
+  outs, _ = _run(tx, grads)
+  ref, _ = _numpy_reference(grads, 0.7, 0.9, 0.0, "global", False)
+  for u, r in zip(outs, ref):
+    np.testing.assert_allclose(u["s"], r["s"], rtol=2e-4)
+  assert abs(float(outs[-1]["s"]) - 3.0) > 0.1  # the variance matters
+
+
+def test_a_negative_grad_variance_counts_as_zero():
+  g = {"w": jnp.array([1.0, -2.0])}
+  tx = grpo_optax.scale_by_variance_lr(coef=0.5, reduction="element")
+  u, _ = tx.update(g, tx.init(g), grad_variance={"w": jnp.array([-0.5, -0.25])})
+  np.testing.assert_allclose(u["w"], g["w"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("tree", [{}, {"w": jnp.zeros((0,))}])
+def test_metrics_of_a_tree_without_elements(tree):
+  tx = grpo_optax.scale_by_variance_lr()
+  _, state = tx.update(tree, tx.init(tree))
+  assert float(state.lr_scale) == 1.0 and float(state.variance) == 0.0

@@ -27,6 +27,7 @@ Usage (from the repository root, in the dev environment)::
   python tools/mutants.py --only 'freeze_*,topk_sampled_*'
   python tools/mutants.py --broad clipping,variance
   python tools/mutants.py --broad clipping --rerun-survivors  # after new tests
+  python tools/mutants.py --broad clipping --report  # the session's report
   python tools/mutants.py --list            # names, files, snippet status
   python tools/mutants.py --check           # only validate the snippets
   python tools/mutants.py --check-reformat  # ... also on a ruff-formatted copy
@@ -67,7 +68,9 @@ from grpo_mutation.anchoring import position  # noqa: E402
 
 # Not copied: large results that no covering test reads.
 EXCLUDE = ("benchmarks/results/",)
-PYTEST = "python -m pytest -x -q -p no:cacheprovider"
+# This interpreter's pytest (a bare "python" may be another environment's).
+PYTEST = shlex.join([sys.executable, "-m", "pytest", "-x", "-q"])
+PYTEST += " -p no:cacheprovider"
 OPERATOR = "grpo/CuratedSnippet"
 # Left out of the broad set (marked "skipped" by cr-filter-operators): an
 # arithmetic operator replaced by a bitwise or shift operator. On the float
@@ -449,6 +452,12 @@ def _broad_report(module: str, session: Path, log) -> bool:
   return not count["survived"] and not count["error"] and len(done) == total
 
 
+def _rel(path: Path) -> str:
+  """A path as the report shows it: relative to the repository if inside."""
+  path = path.resolve()
+  return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def _forget_survivors(session: Path) -> int:
   """Drops the results of the survived and incompetent items of a session,
   so that ``cosmic-ray exec`` runs them again; returns how many.
@@ -465,15 +474,14 @@ def _forget_survivors(session: Path) -> int:
 def _prepare(work: Path, args, log) -> tuple[Path, bool]:
   """The copy under work/; (its path, whether an earlier session is kept).
 
-  ``--resume`` keeps the copy and the session; ``--rerun-survivors`` keeps
-  the session but copies the repository again (the new tests) and forgets
-  the survivors' results.
+  ``--resume`` keeps the session and copies the repository again (an
+  interrupted run may have left a mutated file in the copy);
+  ``--rerun-survivors`` also forgets the survivors' results.
   """
   tree, session = work / "tree", work / "session.sqlite"
   if (args.resume or args.rerun_survivors) and session.is_file():
-    if args.rerun_survivors or not tree.is_dir():
-      _make_copy(tree)
-      _check_import(tree)
+    _make_copy(tree)
+    _check_import(tree)
     if args.rerun_survivors:
       log(f"  {_forget_survivors(session)} survivors to run again")
     return tree, True
@@ -495,25 +503,25 @@ def run_curated(mutants, work: Path, args, log) -> bool:
       runnable.append(m)
   tree, resumed = _prepare(work, args, log)
   config, session = work / "config.toml", work / "session.sqlite"
+  config.write_text(
+    _config(
+      sorted({m.file for m in runnable}),
+      PYTEST + " {tests}",
+      args.timeout,
+      "grpo-curated",
+    ),
+    encoding="utf-8",
+  )
   if not resumed:
-    config.write_text(
-      _config(
-        sorted({m.file for m in runnable}),
-        PYTEST + " {tests}",
-        args.timeout,
-        "grpo-curated",
-      ),
-      encoding="utf-8",
-    )
     _curated_session(runnable, tree, session)
-    if not args.no_baseline:
-      log("baseline (unmutated copy):")
-      if not _baseline(_curated_targets(runnable), tree, args.timeout, log):
-        log("baseline failed: fix the tests before judging mutants")
-        return False
-      if not args.only and not _sensitivity(tree, args.timeout, log):
-        return False
-  log(f"mutants (cosmic-ray exec {config} {session}):")
+  if not args.no_baseline:
+    log("baseline (unmutated copy):")
+    if not _baseline(_curated_targets(runnable), tree, args.timeout, log):
+      log("baseline failed: fix the tests before judging mutants")
+      return False
+    if not args.only and not _sensitivity(tree, args.timeout, log):
+      return False
+  log(f"mutants (cosmic-ray exec {_rel(config)} {_rel(session)}):")
   _cosmic_ray(tree, "exec", str(config), str(session))
   return _curated_report(session, log) and len(runnable) == len(mutants)
 
@@ -523,16 +531,16 @@ def run_broad(module: str, work: Path, args, log) -> bool:
   test_file = f"tests/test_{module}.py"
   tree, resumed = _prepare(work, args, log)
   config, session = work / "config.toml", work / "session.sqlite"
+  config.write_text(
+    _config(
+      [f"grpo_optax/{module}.py"],
+      f"{PYTEST} {test_file}",
+      args.timeout,
+      "local",
+    ),
+    encoding="utf-8",
+  )
   if not resumed:
-    config.write_text(
-      _config(
-        [f"grpo_optax/{module}.py"],
-        f"{PYTEST} {test_file}",
-        args.timeout,
-        "local",
-      ),
-      encoding="utf-8",
-    )
     _cosmic_ray(tree, "init", str(config), str(session))
     rc, out = _run(
       [
@@ -546,11 +554,11 @@ def run_broad(module: str, work: Path, args, log) -> bool:
     )
     if rc != 0:
       raise SystemExit("cr-filter-operators failed:\n" + out)
-    if not args.no_baseline and not _baseline(
-      [[test_file]], tree, args.timeout, log
-    ):
-      return False
-  log(f"{module} (cosmic-ray exec {config} {session}):")
+  if not args.no_baseline and not _baseline(
+    [[test_file]], tree, args.timeout, log
+  ):
+    return False
+  log(f"{module} (cosmic-ray exec {_rel(config)} {_rel(session)}):")
   _cosmic_ray(tree, "exec", str(config), str(session))
   return _broad_report(module, session, log)
 
@@ -616,6 +624,12 @@ def _parser() -> argparse.ArgumentParser:
     help="run what the session in .mutants/ left pending",
   )
   ap.add_argument(
+    "--report",
+    action="store_true",
+    help="only print the report of the session in .mutants/ (with --broad:"
+    " of those modules' sessions)",
+  )
+  ap.add_argument(
     "--rerun-survivors",
     action="store_true",
     help="run the survivors of the session in .mutants/ again, against the"
@@ -654,7 +668,16 @@ def main(argv=None) -> int:
     f" timeout {args.timeout:.0f} s per mutant"
   )
   work = Path(args.workdir)
-  if args.broad:
+  if args.report:
+    modules = [s.strip() for s in (args.broad or "").split(",") if s.strip()]
+    ok = True
+    for module in modules:
+      ok &= _broad_report(
+        module, work / f"broad-{module}" / "session.sqlite", log
+      )
+    if not modules:
+      ok = _curated_report(work / "curated" / "session.sqlite", log)
+  elif args.broad:
     ok = True
     for module in [s.strip() for s in args.broad.split(",") if s.strip()]:
       ok &= run_broad(module, work / f"broad-{module}", args, log)
