@@ -163,3 +163,18 @@ def test_defaults_and_a_frozen_config():
   assert float(cfg.max_norm) == 1.0 and cfg.l2 is None and not cfg.l2_on
   with pytest.raises(dataclasses.FrozenInstanceError):
     cfg.max_norm = 2.0
+
+
+def test_an_l2_term_that_cancels_the_gradient_gives_zeros_not_nan():
+  # g = -l2 p: |g|^2 + 2 l2 <g, p> + l2^2 |p|^2 cancels, and rounding may
+  # leave the sum slightly negative: the norm is 0, not the NaN of its root.
+  rng = np.random.default_rng(7)
+  tx = grpo_optax.clip_with_l2(max_norm=1.0, l2=0.1)
+  update = jax.jit(tx.update)
+  l2 = np.float32(0.1)
+  for _ in range(20):
+    p = {"w": rng.normal(size=(8,)).astype(np.float32)}
+    g = {"w": -l2 * p["w"]}
+    u, state = update(g, tx.init(p), p)
+    assert np.isfinite(float(state.last_norm))
+    np.testing.assert_allclose(u["w"], g["w"] + l2 * p["w"], atol=1e-6)
