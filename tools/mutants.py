@@ -381,7 +381,10 @@ def _curated_report(session: Path, log) -> bool:
   for item, result in sorted(done, key=lambda d: d[0].job_id):
     m, outcome = by[item.job_id], _outcome(result)
     if outcome == "killed":
-      detail = f"by {_first_failure(result.output)}"
+      # cosmic-ray counts any failing exit as killed: name the failing test,
+      # or say that there is none (a mutant that breaks the import).
+      first = _first_failure(result.output)
+      detail = f"by {first}" if first else "(no failing test in the output)"
     elif outcome == "timeout":
       detail = "(timeout)"
     elif outcome == "error":
