@@ -1,4 +1,10 @@
-"""freeze_below + frozen_mask: freezing decisions, exact zeros, bad input."""
+"""freeze_below + frozen_mask: freezing decisions, exact zeros, bad input;
+the metrics, the defaults, the boundary ratio, one trainable leaf, tiny
+importances, the importance EMA at another decay and the leaf-count check
+(survivors of cosmic-ray's operators, tools/mutants.py --broad freezing).
+"""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -164,6 +170,7 @@ def test_needs_params():
   [
     (dict(threshold=-0.1), "threshold"),
     (dict(decay=1.0), "decay"),
+    (dict(decay=-0.5), "decay"),
     (dict(warmup_steps=-1), "warmup_steps"),
     (dict(warmup_steps=1.5), "warmup_steps"),
   ],
@@ -171,3 +178,102 @@ def test_needs_params():
 def test_bad_input(kwargs, name):
   with pytest.raises(ValueError, match=name):
     grpo_optax.freeze_below(**kwargs)
+
+
+def _frozen(state, params):
+  return {k: bool(v) for k, v in grpo_optax.frozen_mask(state, params).items()}
+
+
+def test_metrics_count_the_frozen_leaves():
+  params = _setup()  # importances 1, 1e-3, 0.5: "unimportant" freezes
+  tx = grpo_optax.freeze_below(threshold=0.3, decay=0.5, warmup_steps=0)
+  g = jax.tree.map(jnp.ones_like, params)
+  _, state = tx.update(g, tx.init(params), params)
+  m = state.metrics()
+  assert int(m["frozen_leaves"]) == 1
+  np.testing.assert_allclose(m["frozen_fraction"], 1 / 3, rtol=1e-6)
+  np.testing.assert_allclose(m["importance"], state.importance)
+  assert float(tx.init({}).metrics()["frozen_fraction"]) == 0.0  # not 0 / 0
+
+
+def test_a_single_trainable_leaf_is_its_own_mean():
+  # Its normalised importance is 1: it freezes under a threshold above 1.
+  params = {"w": jnp.ones(3)}
+  tx = grpo_optax.freeze_below(threshold=1.5, decay=0.5, warmup_steps=0)
+  _, state = tx.update({"w": jnp.ones(3)}, tx.init(params), params)
+  assert _frozen(state, params) == {"w": True}
+  np.testing.assert_allclose(state.metrics()["frozen_fraction"], 1.0)
+
+
+def test_a_leaf_at_the_threshold_is_not_frozen():
+  # decay 0: the importances are exactly 1 and 3, their mean 2, so "a" sits
+  # exactly at 0.5 of the mean: frozen only below the threshold.
+  params = {"a": jnp.ones(2), "b": jnp.full(2, 3.0)}
+  g = {"a": jnp.ones(2), "b": jnp.ones(2)}
+  tx = grpo_optax.freeze_below(threshold=0.5, decay=0.0, warmup_steps=0)
+  _, state = tx.update(g, tx.init(params), params)
+  assert _frozen(state, params) == {"a": False, "b": False}
+
+
+def test_tiny_importances_are_compared_by_their_ratio():
+  # |g p| of 1e-30 and 3e-30: the ratio 0.5 of the mean decides, not the
+  # 1e-30 guard of the division.
+  params = {"a": jnp.full(2, 1e-15), "b": jnp.full(2, 3e-15)}
+  g = {"a": jnp.full(2, 1e-15), "b": jnp.full(2, 1e-15)}
+  tx = grpo_optax.freeze_below(threshold=0.6, decay=0.0, warmup_steps=0)
+  _, state = tx.update(g, tx.init(params), params)
+  assert _frozen(state, params) == {"a": True, "b": False}
+
+
+def test_importance_is_an_ema_at_any_decay():
+  params = _setup()
+  rng = np.random.default_rng(4)
+  grads = [
+    {k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()}
+    for _ in range(3)
+  ]
+  ref = _numpy_freeze(grads, params, 0.0, 0.8, 0)
+  tx = grpo_optax.freeze_below(threshold=0.0, decay=0.8, warmup_steps=0)
+  state = tx.init(params)
+  for g, (imp, _) in zip(grads, ref):
+    _, state = tx.update(g, state, params)
+    got = dict(zip(sorted(params), np.asarray(state.importance)))
+    for k in params:
+      np.testing.assert_allclose(got[k], imp[k], rtol=1e-5)
+
+
+def test_defaults_and_a_frozen_config():
+  cfg = grpo_optax.FreezeBelowConfig()
+  np.testing.assert_allclose([cfg.threshold, cfg.decay], [0.3, 0.9], rtol=1e-6)
+  assert cfg.warmup_steps == 100
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.threshold = 0.5
+  # freeze_below(): threshold 0.3 (the "medium" leaf, at 1.0 of the mean,
+  # stays) after 100 warm-up steps.
+  params = _setup()
+  tx = grpo_optax.freeze_below()
+  update = jax.jit(tx.update)
+  g = jax.tree.map(jnp.ones_like, params)
+  state = tx.init(params)
+  for _ in range(100):
+    _, state = update(g, state, params)
+  assert not any(_frozen(state, params).values())
+  _, state = update(g, state, params)
+  assert _frozen(state, params) == {
+    "important": False,
+    "unimportant": True,
+    "medium": False,
+  }
+
+
+@pytest.mark.parametrize("n_state,n_updates", [(2, 3), (3, 2), (300, 300)])
+def test_the_state_must_be_built_for_the_updates_leaves(n_state, n_updates):
+  # 300: leaf counts beyond CPython's cached small ints compare by value.
+  tree = lambda n: {f"w{i:03d}": jnp.ones(1) for i in range(n)}
+  tx = grpo_optax.freeze_below(warmup_steps=0)
+  state = tx.init(tree(n_state))
+  if n_state == n_updates:
+    tx.update(tree(n_updates), state, tree(n_updates))
+    return
+  with pytest.raises(ValueError, match=f"built for {n_state} leaves"):
+    tx.update(tree(n_updates), state, tree(n_updates))
