@@ -16,7 +16,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # -- test tiers ---------------------------------------------------------------
 # The fast tier, `pytest -m "not slow"`, is the edit loop and what CI runs (the
-# README's test command; about 6 minutes on 2 cores); the slow tier,
+# README's test command; about 3 minutes on 2 cores); the slow tier,
 # `pytest -m slow`, runs before a release (docs/development.md). Slow: what
 # trains an example, spawns processes or runs a benchmark smoke test (marked
 # in its file with @pytest.mark.slow or listed here), and every single test
@@ -56,6 +56,36 @@ def _listed(name: str) -> frozenset[str]:
 
 
 SLOW_NAMES = _listed("slow_tests.txt")
+
+# -- compile speed -----------------------------------------------------------
+# Most of a test's time is XLA:CPU compiling small programs, and most of that
+# is LLVM optimizing machine code the test runs a few times. Outside the slow
+# tier, LLVM runs at -O0 without its expensive passes: the HLO (fusions,
+# collectives, shardings: what the tests inspect) is the same, the numerics
+# are IEEE either way (no fast-math), and a file's tests take about 40% less
+# CPU. The slow tier (`-m slow`, which CI also runs) and GRPO_TESTS_XLA_OPT=1
+# keep XLA's default optimization, so the optimized code path is tested too.
+FAST_COMPILE_FLAGS = (
+  "--xla_backend_optimization_level=0",
+  "--xla_llvm_disable_expensive_passes=true",
+)
+
+
+def fast_compile(markexpr: str, environ=os.environ) -> bool:
+  """Whether a run with this ``-m`` expression compiles at low LLVM effort."""
+  if environ.get("GRPO_TESTS_XLA_OPT") == "1":
+    return False
+  return markexpr.strip() != "slow"
+
+
+def pytest_configure(config):
+  # Runs before any test module is imported (and so before XLA's backend
+  # starts and reads XLA_FLAGS), in the main process and in each xdist worker.
+  if fast_compile(config.getoption("markexpr") or ""):
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    given = {f.split("=")[0] for f in flags}
+    flags += [f for f in FAST_COMPILE_FLAGS if f.split("=")[0] not in given]
+    os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
 def pytest_collection_modifyitems(config, items):
