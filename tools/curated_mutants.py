@@ -81,7 +81,7 @@ def knob_tests(*keywords: str) -> tuple[str, ...]:
 # ZClip: a NumPy reference, and the docstring example's numbers.
 T_ZCLIP = (
   "tests/test_zclip.py",
-  "tests/test_doctests.py::test_docstring_examples[grpo_optax.zclip]",
+  "tests/test_doctests.py::test_docstring_examples[grpo_optax.adaptive_clipping]",
 )
 T_METRICS = (
   "tests/test_diagnostics.py::test_metrics_match_independent_values",
