@@ -381,11 +381,15 @@ def test_ema_threshold_tau_moves_only_every_n_steps():
 
 def test_ema_threshold_keeps_entries_at_the_threshold():
   """|a| >= tau: a leaf of equal magnitudes (tau = mean|a|) is kept whole."""
-  tx = grpo_optax.ema_threshold_mask()
+  tx = grpo_optax.ema_threshold_mask(min_size=0)
   g = {"w": jnp.array([1.0, -1.0, 1.0, -1.0])}
   out, state = tx.update(g, tx.init(g))
   np.testing.assert_array_equal(out["w"], g["w"])
   np.testing.assert_array_equal(state.tau, [1.0])
+  # Nothing was held back: the next step sends g again, not g + a residual
+  # (the accumulator's residual is read with the same |a| >= tau).
+  out, state = tx.update(g, state)
+  np.testing.assert_array_equal(out["w"], g["w"])
 
 
 def test_ema_threshold_leaf_count_mismatch():
