@@ -64,7 +64,7 @@ from grpo_optax.variance import ScaleByVarianceLrConfig
 from grpo_optax.variance import ScaleByVarianceLrState
 from grpo_optax.variance import scale_by_variance_lr
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
   "ARTICLE_DEFAULTS",

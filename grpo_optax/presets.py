@@ -57,13 +57,14 @@ PLACEMENTS = ("input", "output")
 # The articles' literal settings, where grpo()'s measured defaults differ:
 # ``grpo(lr, **ARTICLE_DEFAULTS)`` is the optimizer as the articles describe
 # it (Taylor importance weighting, the 50/50 Adam/RMSProp mix, the variance
-# rate with coefficient 0.1, every leaf sparsified). See the docs,
-# "Defaults chosen by measurement", for why the defaults differ.
+# rate with coefficient 0.1, every leaf sparsified, the top 30% kept). See
+# the docs, "Defaults chosen by measurement", for why the defaults differ.
 ARTICLE_DEFAULTS = {
   "importance": True,
   "adam_weight": 0.5,
   "variance_coef": 0.1,
   "min_size": 0,
+  "fraction": 0.3,
 }
 
 #: The mechanisms' configs, by the name :data:`WIRING` uses.
@@ -203,7 +204,7 @@ WIRING: tuple[Knob, ...] = (
     help="upper clip of the weights",
   ),
   _k("sparsify", "topk", help="'topk', 'threshold' or None (dense)"),
-  _k("fraction", 0.3, "topk.fraction", help="kept fraction of the top-k mask"),
+  _k("fraction", 0.5, "topk.fraction", help="kept fraction of the top-k mask"),
   _k("topk_method", "sampled", "topk.method", help="'sampled' or 'exact'"),
   _k(
     "error_feedback",
@@ -613,15 +614,16 @@ def grpo(learning_rate=1e-3, **kwargs) -> optax.GradientTransformationExtraArgs:
   before it. Freezing comes last so that a frozen leaf's update is exactly 0
   even though Adam's momentum is still non-zero.
 
-  Defaults, chosen by measurement (``python -m benchmarks.study``, README
-  "Defaults chosen by measurement"): clipping at norm 1, the sampled top-k
-  with error feedback keeping 30% of each leaf of at least 1,024 entries,
+  Defaults, chosen by measurement (``python -m benchmarks.study``, its
+  transformer phase since 0.2.0; docs/benchmarks/defaults.md): clipping at
+  norm 1, the sampled top-k with error feedback keeping 50% of each leaf of
+  at least 1,024 entries,
   and Nesterov's Adam (``adam_weight=1``); Taylor importance weighting, the
   RMSProp half of the mix and the variance rate are off, because each made
   the loss worse than the tuned baselines on the benchmark suite. The
   articles' literal settings are ``grpo(lr, **ARTICLE_DEFAULTS)``
   (importance on, ``adam_weight=0.5``, ``variance_coef=0.1``, every leaf
-  sparsified). The default top-k estimates its threshold from a sample
+  sparsified, 30% kept). The default top-k estimates its threshold from a sample
   (``topk_method="sampled"``): an exact top-k sorts every leaf, about 200
   Adam updates on a CPU.
 

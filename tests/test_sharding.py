@@ -50,6 +50,7 @@ MODES = {
   "freeze": dict(freeze_threshold=0.3, freeze_warmup_steps=2),
 }
 MASKED = ("topk", "threshold", "article", "freeze")
+_GRPO_DEFAULTS = {k.keyword: k.default for k in grpo_optax.WIRING}
 # Dense variants of the masked modes (comparable to float tolerance), and the
 # masks alone (lr 1, no clip, no Adam: the update is minus the kept part).
 VARIANTS = dict(
@@ -367,7 +368,8 @@ def test_masked_sharded_kept_fraction_matches_unsharded(mode, axis_type):
   # ~1,024 sampled entries per leaf: a kept-fraction error of ~0.015 each.
   assert abs(got - ref) <= 0.05, (mode, got, ref)
   if mode != "threshold":
-    assert abs(got - 0.3) <= 0.05, (mode, got)
+    want = MODES[mode].get("fraction", _GRPO_DEFAULTS["fraction"])
+    assert abs(got - want) <= 0.05, (mode, got, want)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,8 @@ smoke test (slow).
 """
 
 import dataclasses
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -86,10 +88,18 @@ def test_library_defaults_are_the_study_winner():
     for n, p in inspect.signature(grpo_optax.grpo).parameters.items()
   }
   for key, value in study.WINNER.grpo_kwargs().items():
-    if key in ("min_size", "fused"):
+    if key in ("min_size", "fused", "fraction"):
       continue
     assert defaults[key] == value, key
   assert defaults["min_size"] == 1024 and defaults["fused"] is None
+  # The transformer phase (benchmarks/study_transformers.py) chose the kept
+  # fraction: its decision is in benchmarks/results/defaults_transformers.json.
+  results = os.path.join(
+    os.path.dirname(__file__), "..", "benchmarks", "results"
+  )
+  with open(os.path.join(results, "defaults_transformers.json")) as f:
+    decision = json.load(f)["decision"]
+  assert decision["grpo_kwargs"] == {"fraction": defaults["fraction"]}
   # The articles' settings are exactly what the study switched off.
   article = study.TODAY.grpo_kwargs()
   for key, value in grpo_optax.ARTICLE_DEFAULTS.items():
