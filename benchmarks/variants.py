@@ -19,3 +19,18 @@ VARIANTS = {
   "grpo_article": lambda lr: grpo_optax.grpo(lr, **grpo_optax.ARTICLE_DEFAULTS),
   "grpo_min_size_0": lambda lr: grpo_optax.grpo(lr, min_size=0),
 }
+
+#: The preset with its state in 8 bits (issue "the update at large-model
+#: scale"): ``python -m benchmarks.convergence --optimizers adam,grpo
+#: --factory benchmarks.variants:EIGHT_BIT --seeds 2 --out
+#: benchmarks/results/eight_bit`` compares each with ``grpo`` (fp32 state).
+EIGHT_BIT = {
+  # Adam's moments in block-wise 8 bits (int8 mu, uint8 nu).
+  "grpo_int8": lambda lr: grpo_optax.grpo(
+    lr, mu_format="int8", nu_format="uint8"
+  ),
+  # ... and the error-feedback accumulator too (8 bits, stochastic rounding).
+  "grpo_8bit": lambda lr: grpo_optax.grpo(
+    lr, mu_format="int8", nu_format="uint8", accumulator_format="int8_sr"
+  ),
+}

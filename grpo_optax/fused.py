@@ -40,6 +40,7 @@ layout at about 1.8x (``docs/design.md``, "Where fusion happens"):
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -49,6 +50,7 @@ import optax
 from grpo_optax import _common
 from grpo_optax import clipping
 from grpo_optax import momentum
+from grpo_optax import quantization
 from grpo_optax import sparsify
 
 __all__ = (
@@ -116,6 +118,51 @@ def _masked(a_leaves, thresholds):
   ]
 
 
+def _input_bounds(
+  fmt, *, g_leaves, p_leaves, clip, norm, mask, accumulator, treedef
+):
+  r"""Per leaf, a bound on each 8-bit block's largest ``|m|``, ``m`` the
+  masked gradient the moments read, from arrays the step writes or is given.
+
+  :math:`|m| \le |a|`: on a leaf with error feedback ``a`` is what the new
+  accumulator stores (its maxima, or its scales when stored in 8 bits); on
+  any other leaf ``a = x = c\,(g + \lambda p)``, the clipped gradient (clip
+  factor :math:`c`), and :math:`\max|x| \le c\,(\max|g| + \lambda
+  \max|p|)`. These reductions read arrays that are in memory anyway (the
+  gradient, the params, the new accumulator); one of the clipped gradient
+  would make XLA:CPU write it out first, one of the old accumulator would
+  make it copy the donated buffer before overwriting it
+  (:func:`grpo_optax.momentum.moment_scale`).
+  """
+  ef = mask is not None and mask.error_feedback and accumulator is not None
+  if ef and isinstance(accumulator, quantization.Quantized):
+    acc_scales = treedef.flatten_up_to(accumulator.scale)
+    acc_codes = treedef.flatten_up_to(accumulator.codes)
+  elif ef:
+    acc_leaves = treedef.flatten_up_to(accumulator)
+  factor = None if clip is None else clipping.clip_factor(norm, clip.max_norm)
+  out = []
+  names = momentum.leaf_names(treedef)
+  for i, g in enumerate(g_leaves):
+    absmax = functools.partial(quantization.block_absmax, fmt, name=names[i])
+    if ef and sparsify.dense_leaf(g.size, mask.min_size) is not True:
+      if not isinstance(accumulator, quantization.Quantized):
+        out.append(absmax(acc_leaves[i]))
+        continue
+      acc_fmt = quantization.state_format("int8_sr")
+      if acc_fmt.block_size == fmt.block_size:
+        out.append(acc_scales[i])
+      else:
+        stored = quantization.Quantized(acc_codes[i], acc_scales[i])
+        out.append(absmax(quantization.decode(acc_fmt, stored)))
+      continue
+    b = absmax(g)
+    if p_leaves is not None and clip is not None and clip.l2_on:
+      b = b + clip.l2 * absmax(p_leaves[i])
+    out.append(b if factor is None else factor * b)
+  return out
+
+
 def clip_mask_adam(
   *,
   clip: clipping.ClipWithL2Config | None,
@@ -154,7 +201,7 @@ def clip_mask_adam(
     _common.check_tree_like(
       "grpo", updates, momentum.moment_shapes(adam.mu_format, state.adaptive.mu)
     )
-    x_leaves, clip_state = g_leaves, None
+    x_leaves, clip_state, norm = g_leaves, None, None
     if clip is not None:
       x_leaves, norm = clipping.clip_leaves(g_leaves, p_leaves, clip)
       clip_state = clipping.next_state(state.clip, norm, clip.max_norm)
@@ -163,13 +210,24 @@ def clip_mask_adam(
       a_leaves, thr, mask_state = mask.threshold_phase(
         x_leaves, state.mask, treedef
       )
+    bounds = functools.partial(
+      _input_bounds,
+      g_leaves=g_leaves,
+      p_leaves=p_leaves,
+      clip=clip,
+      norm=norm,
+      mask=mask,
+      accumulator=None if mask_state is None else mask_state.accumulator,
+      treedef=treedef,
+    )
     ad = state.adaptive
     count, hyper = momentum.step_scalars(adam, ad.count)
     mu = momentum.decoded(adam.mu_format, ad.mu)
     nu = momentum.decoded(adam.nu_format, ad.nu, True)  # a denominator
+    m_leaves = _masked(a_leaves, thr)
     mus, nus, outs = momentum.adam_leaves(
       adam,
-      _masked(a_leaves, thr),
+      m_leaves,
       treedef.flatten_up_to(mu),
       treedef.flatten_up_to(nu),
       hyper,
@@ -189,8 +247,20 @@ def clip_mask_adam(
       mask=mask_state,
       adaptive=momentum.ScaleByNesterovAdamRmsState(
         count=count,
-        mu=momentum.encode_moment(adam.mu_format, treedef.unflatten(mus)),
-        nu=momentum.encode_moment(adam.nu_format, treedef.unflatten(nus)),
+        mu=momentum.encode_moment(
+          adam.mu_format,
+          treedef.unflatten(mus),
+          scale=momentum.moment_scale(
+            adam.mu_format, ad.mu, adam.b1, m_leaves, 1, treedef, bounds
+          ),
+        ),
+        nu=momentum.encode_moment(
+          adam.nu_format,
+          treedef.unflatten(nus),
+          scale=momentum.moment_scale(
+            adam.nu_format, ad.nu, adam.b2, m_leaves, 2, treedef, bounds
+          ),
+        ),
         filtered=None,
       ),
     )

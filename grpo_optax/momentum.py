@@ -339,10 +339,20 @@ class ScaleByNesterovAdamRmsConfig(_mechanism.Config):
     new_key, mu_key, nu_key = (
       jax.random.split(state.key, 3) if self.stochastic else (None,) * 3
     )
+    mu_scale = moment_scale(
+      self.mu_format, state.mu, self.b1, g_leaves, 1, treedef
+    )
+    nu_scale = moment_scale(
+      self.nu_format, state.nu, self.b2, g_leaves, 2, treedef
+    )
     return treedef.unflatten(outs), ScaleByNesterovAdamRmsState(
       count=count_inc,
-      mu=encode_moment(self.mu_format, treedef.unflatten(mus), mu_key),
-      nu=encode_moment(self.nu_format, treedef.unflatten(nus), nu_key),
+      mu=encode_moment(
+        self.mu_format, treedef.unflatten(mus), mu_key, mu_scale
+      ),
+      nu=encode_moment(
+        self.nu_format, treedef.unflatten(nus), nu_key, nu_scale
+      ),
       filtered=filtered,
       key=new_key,
     )
@@ -373,11 +383,66 @@ def init_moment(params, dtype, fmt):
   return quantization.tree_init(fmt, params)
 
 
-def encode_moment(fmt, tree, key=None):
-  """A moment tree stored in format ``fmt`` (as is when None)."""
+def encode_moment(fmt, tree, key=None, scale=None):
+  """A moment tree stored in format ``fmt`` (as is when None); ``scale``:
+  the 8-bit blocks' scales (:func:`moment_scale`).
+  """
   if fmt is None:
     return tree
-  return quantization.tree_encode(fmt, tree, key=key)
+  return quantization.tree_encode(fmt, tree, key=key, scale=scale)
+
+
+def leaf_names(treedef) -> list[str]:
+  """``"leaf ['w']"``, ... for the leaves of ``treedef`` (error messages)."""
+  paths = jax.tree_util.tree_leaves_with_path(
+    treedef.unflatten([0] * treedef.num_leaves)
+  )
+  return [f"leaf {jax.tree_util.keystr(p) or '<root>'}" for p, _ in paths]
+
+
+def moment_scale(fmt, stored, decay, g_leaves, power, treedef, bounds=None):
+  r"""The scales of an 8-bit moment's new blocks, from a bound (None for
+  other formats).
+
+  A moment :math:`m' = \beta m + (1-\beta) g^p` (``p = 1``: ``mu``;
+  ``p = 2``: ``nu``) whose old blocks decode to at most their scale
+  :math:`s` obeys, block by block,
+
+  .. math::
+
+    \max_i |m'_i| \le s' = \beta s + (1-\beta) (\max_i |g_i|)^p,
+
+  so :math:`s'` is a valid scale for the new block, known before the new
+  moment is: it needs only a reduction of the gradient
+  (:func:`grpo_optax.quantization.block_absmax`), not of the new moment,
+  and the moment is decoded, updated and encoded in one elementwise pass
+  (a reduction of the new moment made XLA:CPU write it to memory in
+  float32 and decode the old one three times). :math:`s'` is an
+  exponential moving average of the blocks' gradient maxima: for ``nu`` it
+  stays within the ratio of a block's largest squared gradient to its
+  entries' (about 2 ln B for Gaussian entries); codes near 0 are what the
+  power-2 code map spends most levels on.
+
+  ``bounds``: a function of the format giving each leaf's bound on
+  :math:`\max_i |g_i|` per block, for a caller that knows one from its own
+  inputs (the fused core: the gradient's maxima times the clip factor, plus
+  the accumulator's), so that the reduction reads arrays already in memory;
+  None: :func:`~grpo_optax.quantization.block_absmax` of ``g_leaves``.
+  """
+  if fmt is None or not fmt.blocked:
+    return None
+  scales = treedef.flatten_up_to(stored.scale)
+  if bounds is None:
+    maxima = [
+      quantization.block_absmax(fmt, g, name=n)
+      for g, n in zip(g_leaves, leaf_names(treedef))
+    ]
+  else:
+    maxima = bounds(fmt)
+  decay = jnp.asarray(decay, jnp.float32)
+  return treedef.unflatten(
+    [decay * s + (1 - decay) * b**power for b, s in zip(maxima, scales)]
+  )
 
 
 def scale_by_nesterov_adam_rms(

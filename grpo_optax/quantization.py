@@ -82,6 +82,7 @@ __all__ = (
   "FormatLike",
   "Quantized",
   "StateFormat",
+  "block_absmax",
   "bytes_per_entry",
   "decode",
   "encode",
@@ -326,12 +327,19 @@ def _root(u: jax.Array, power: int) -> jax.Array:
 
 
 def _encode_blocked(
-  fmt: StateFormat, x: jax.Array, bits: jax.Array | None = None
+  fmt: StateFormat,
+  x: jax.Array,
+  bits: jax.Array | None = None,
+  scale: jax.Array | None = None,
 ) -> Quantized:
   shape = x.shape
   xb, pad = _blocks(fmt, x.astype(jnp.float32))
-  absmax = jnp.max(jnp.abs(xb), axis=-1)
-  u = jnp.abs(xb) / jnp.where(absmax > 0, absmax, 1.0)[..., None]
+  if scale is None:
+    absmax = jnp.max(jnp.abs(xb), axis=-1)
+  else:
+    absmax = jnp.asarray(scale, jnp.float32).reshape(xb.shape[:-1])
+  inv = jnp.where(absmax > 0, 1.0 / absmax, 0.0)[..., None]
+  u = jnp.minimum(jnp.abs(xb) * inv, 1.0)
   if fmt.dtype == jnp.uint8:
     u = jnp.where(xb > 0, u, 0.0)  # negative entries of a "uint8" array -> 0
   q_max = np.float32(fmt.levels)
@@ -351,6 +359,24 @@ def _encode_blocked(
     q = jnp.where(xb < 0, -q, q)
   codes = _unblock(q.astype(fmt.dtype), pad, shape)
   return Quantized(codes, absmax.reshape(scale_shape(fmt, shape)))
+
+
+def block_absmax(
+  fmt: FormatLike, x: jax.Array, *, name: str = "an array"
+) -> jax.Array:
+  """The largest ``|x|`` of each block, shaped like the scales (``name``
+  names ``x`` in the error of a leaf whose shards the blocks do not tile).
+
+  Computed as ``max(max(x), -min(x))``: two reductions of ``x`` itself,
+  which XLA:CPU runs on its input as it lies in memory, where a reduction of
+  ``|x|`` first writes ``|x|`` to a temporary of ``x``'s size.
+  """
+  fmt = state_format(fmt)
+  _check_blocks_in_shards(fmt, x, name)
+  xb, _ = _blocks(fmt, x)  # zero padding: below every block's maximum
+  hi = jnp.max(xb, axis=-1).astype(jnp.float32)
+  lo = jnp.min(xb, axis=-1).astype(jnp.float32)
+  return jnp.maximum(hi, -lo).reshape(scale_shape(fmt, tuple(x.shape)))
 
 
 def _decode_blocked(
@@ -393,6 +419,7 @@ def encode(
   *,
   key: jax.Array | None = None,
   bits: jax.Array | None = None,
+  scale: jax.Array | None = None,
 ) -> Any:
   r"""Stores ``x`` in format ``fmt``.
 
@@ -411,6 +438,13 @@ def encode(
     bits: or the random bits themselves, a uint32 array shaped like ``x``
       (e.g. :func:`grpo_optax._common.hash_bits`); ignored by
       deterministic formats.
+    scale: 8-bit formats: the blocks' scales :math:`s` to store (shaped
+      like :func:`scale_shape`) instead of their maxima, each at least its
+      block's :math:`\max_i |x_i|` (an entry above its scale is stored as
+      :math:`\pm s`). Lets a caller that knows a bound on the new array's
+      blocks (an optimizer's moments: see
+      :func:`grpo_optax.momentum.moment_scale`) encode in one elementwise
+      pass, without first reducing the new array. Ignored by float formats.
 
   Returns:
     An array of ``fmt.dtype`` (float formats) or a :class:`Quantized`.
@@ -429,7 +463,7 @@ def encode(
     bits = jax.random.bits(key, x.shape, jnp.uint32)
   if fmt.blocked:
     _check_blocks_in_shards(fmt, x, "an array")
-    return _encode_blocked(fmt, x, bits if fmt.stochastic else None)
+    return _encode_blocked(fmt, x, bits if fmt.stochastic else None, scale)
   if bits is not None and fmt.stochastic:
     return _round_bf16_stochastic(x, bits)
   return x.astype(fmt.dtype)
@@ -522,10 +556,15 @@ def tree_decode(fmt: FormatLike, stored: Any, *, floor: bool = False) -> Any:
 
 
 def tree_encode(
-  fmt: FormatLike, tree: Any, *, key: jax.Array | None = None
+  fmt: FormatLike,
+  tree: Any,
+  *,
+  key: jax.Array | None = None,
+  scale: Any = None,
 ) -> Any:
   """Stores every leaf of ``tree`` (leaf ``i`` rounds with
-  ``fold_in(key, i)`` in stochastic formats).
+  ``fold_in(key, i)`` in stochastic formats); ``scale``: a tree of the
+  leaves' scales (see :func:`encode`), or None for the blocks' maxima.
   """
   fmt = state_format(fmt)
   leaves, treedef = jax.tree.flatten(tree)
@@ -541,7 +580,12 @@ def tree_encode(
     )
   if fmt.blocked:
     _check_tree(fmt, tree)
-  stored = [encode(fmt, x, key=k) for x, k in zip(leaves, keys)]
+  scales = (
+    [None] * len(leaves) if scale is None else treedef.flatten_up_to(scale)
+  )
+  stored = [
+    encode(fmt, x, key=k, scale=sc) for x, k, sc in zip(leaves, keys, scales)
+  ]
   if not fmt.blocked:
     return treedef.unflatten(stored)
   return Quantized(
