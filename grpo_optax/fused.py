@@ -118,48 +118,82 @@ def _masked(a_leaves, thresholds):
   ]
 
 
-def _input_bounds(
-  fmt, *, g_leaves, p_leaves, clip, norm, mask, accumulator, treedef
-):
-  r"""Per leaf, a bound on each 8-bit block's largest ``|m|``, ``m`` the
-  masked gradient the moments read, from arrays the step writes or is given.
+def _clipped_bounds(fmt, *, g_leaves, p_leaves, clip, norm, names):
+  r"""Per leaf, each block's largest ``|x|`` of the clipped gradient
+  :math:`x = c\,(g + \lambda p)` (clip factor :math:`c \ge 0`), as the
+  chain's rooms compute it from ``x``: rounding is monotone, so
+  :math:`\max_i |c\,y_i| = c \max_i |y_i|` exactly in floating point, and
+  the reduction reads ``g`` (and ``p``) where they lie instead of ``x``,
+  which XLA:CPU would write out for it when other kernels read ``x`` too.
+  """
+  factor = None if clip is None else clipping.clip_factor(norm, clip.max_norm)
+  out = []
+  for i, g in enumerate(g_leaves):
+    y = g
+    if p_leaves is not None and clip is not None and clip.l2_on:
+      y = g + clip.l2 * p_leaves[i]  # as clipping.clip_leaves adds it
+    b = quantization.block_absmax(fmt, y, name=names[i])
+    if factor is not None:
+      b = (b * factor).astype(g.dtype).astype(jnp.float32)
+    out.append(b)
+  return out
 
-  :math:`|m| \le |a|`: on a leaf with error feedback ``a`` is what the new
-  accumulator stores (its maxima, or its scales when stored in 8 bits); on
-  any other leaf ``a = x = c\,(g + \lambda p)``, the clipped gradient (clip
-  factor :math:`c`), and :math:`\max|x| \le c\,(\max|g| + \lambda
-  \max|p|)`. These reductions read arrays that are in memory anyway (the
-  gradient, the params, the new accumulator); one of the clipped gradient
-  would make XLA:CPU write it out first, one of the old accumulator would
-  make it copy the donated buffer before overwriting it
-  (:func:`grpo_optax.momentum.moment_scale`).
+
+def _input_bounds(
+  fmt, *, clipped, mask, accumulator, thresholds, a_leaves, treedef, names
+):
+  r"""Per leaf, each 8-bit block's largest ``|m|``, ``m`` the masked gradient
+  the moments read, equal to the chain's
+  :func:`~grpo_optax.quantization.block_absmax` of ``m`` but read off arrays
+  in memory.
+
+  ``m = a`` where :math:`|a| \ge \theta` (the leaf's threshold), else 0,
+  so a block's largest ``|m|`` is its largest ``|a|`` when that is at least
+  :math:`\theta`, else 0. A block's largest ``|a|``: on a leaf with error
+  feedback, the new accumulator's (``a`` is what it stores; from the codes
+  when stored in 8 bits: :func:`~grpo_optax.quantization.stored_absmax`);
+  on any other leaf ``a = x``, the clipped gradient (``clipped(fmt)``:
+  :func:`_clipped_bounds`). One of the old accumulator would make XLA copy
+  the donated buffer before overwriting it, one of ``m`` would make it
+  write ``m`` out (:func:`grpo_optax.momentum.moment_scale`).
   """
   ef = mask is not None and mask.error_feedback and accumulator is not None
-  if ef and isinstance(accumulator, quantization.Quantized):
+  quantized = isinstance(accumulator, quantization.Quantized)
+  if ef and quantized:
     acc_scales = treedef.flatten_up_to(accumulator.scale)
     acc_codes = treedef.flatten_up_to(accumulator.codes)
   elif ef:
     acc_leaves = treedef.flatten_up_to(accumulator)
-  factor = None if clip is None else clipping.clip_factor(norm, clip.max_norm)
   out = []
-  names = momentum.leaf_names(treedef)
-  for i, g in enumerate(g_leaves):
-    absmax = functools.partial(quantization.block_absmax, fmt, name=names[i])
-    if ef and sparsify.dense_leaf(g.size, mask.min_size) is not True:
-      if not isinstance(accumulator, quantization.Quantized):
-        out.append(absmax(acc_leaves[i]))
-        continue
-      acc_fmt = quantization.state_format("int8_sr")
-      if acc_fmt.block_size == fmt.block_size:
-        out.append(acc_scales[i])
-      else:
-        stored = quantization.Quantized(acc_codes[i], acc_scales[i])
-        out.append(absmax(quantization.decode(acc_fmt, stored)))
+  for i, name in enumerate(names):
+    th = None if thresholds is None else thresholds[i]
+    d = (
+      None
+      if mask is None
+      else sparsify.dense_leaf(a_leaves[i].size, mask.min_size)
+    )
+    if ef and d is not True and d is not False:
+      # min_size traced: the accumulator holds 0 where a leaf passes dense.
+      m = a_leaves[i] if th is None else sparsify.masked_part(a_leaves[i], th)
+      out.append(quantization.block_absmax(fmt, m, name=name))
       continue
-    b = absmax(g)
-    if p_leaves is not None and clip is not None and clip.l2_on:
-      b = b + clip.l2 * absmax(p_leaves[i])
-    out.append(b if factor is None else factor * b)
+    if not ef or d is True:
+      b = clipped(fmt)[i]
+    elif not quantized:
+      b = quantization.block_absmax(fmt, acc_leaves[i], name=name)
+      b = b.astype(jnp.float32)
+    else:
+      acc_fmt = quantization.state_format("int8_sr")
+      stored = quantization.Quantized(acc_codes[i], acc_scales[i])
+      if acc_fmt.block_size == fmt.block_size:
+        b = quantization.stored_absmax(acc_fmt, stored)
+      else:
+        decoded = quantization.decode(acc_fmt, stored)
+        b = quantization.block_absmax(fmt, decoded, name=name)
+    if th is not None:
+      th = jnp.asarray(th).astype(a_leaves[i].dtype).astype(jnp.float32)
+      b = jnp.where(b >= th, b, jnp.zeros_like(b))
+    out.append(b)
   return out
 
 
@@ -205,20 +239,37 @@ def clip_mask_adam(
     if clip is not None:
       x_leaves, norm = clipping.clip_leaves(g_leaves, p_leaves, clip)
       clip_state = clipping.next_state(state.clip, norm, clip.max_norm)
+    names = momentum.leaf_names(treedef)
+    clipped = functools.cache(
+      functools.partial(
+        _clipped_bounds,
+        g_leaves=g_leaves,
+        p_leaves=p_leaves,
+        clip=clip,
+        norm=norm,
+        names=names,
+      )
+    )
     a_leaves, thr, mask_state = x_leaves, None, None
     if mask is not None:
+      acc_fmt = mask.accumulator_format
       a_leaves, thr, mask_state = mask.threshold_phase(
-        x_leaves, state.mask, treedef
+        x_leaves,
+        state.mask,
+        treedef,
+        x_bounds=clipped(acc_fmt)
+        if acc_fmt is not None and acc_fmt.blocked
+        else None,
       )
     bounds = functools.partial(
       _input_bounds,
-      g_leaves=g_leaves,
-      p_leaves=p_leaves,
-      clip=clip,
-      norm=norm,
+      clipped=clipped,
       mask=mask,
       accumulator=None if mask_state is None else mask_state.accumulator,
+      thresholds=thr,
+      a_leaves=a_leaves,
       treedef=treedef,
+      names=names,
     )
     ad = state.adaptive
     count, hyper = momentum.step_scalars(adam, ad.count)

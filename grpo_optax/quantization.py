@@ -27,9 +27,12 @@ nearest to :math:`x`; the power :math:`p` spends the levels non-linearly
 quantisation; ``p = 2`` on ``nu`` stores :math:`\\sqrt{\\nu}` linearly (a
 square-root mapping). The defaults (``p = 2`` for both, blocks of 256) were
 chosen by measuring the error on Adam moments (``python -m benchmarks.memory
---sections codec``; see ``docs/memory.md``). The
-block's maximum is stored exactly (code ``Q``), so a block that decays as a
-whole (``nu`` times ``b2``) keeps its relative values.
+--sections codec``; see ``docs/memory.md``). :func:`encode` stores the
+block's maximum (code ``Q``, to one float32 rounding), so a block that
+decays as a whole (``nu`` times ``b2``) keeps its relative values; given a
+``scale`` (a bound on the block, as the optimizers pass for their moments:
+:func:`grpo_optax.momentum.moment_scale`) it stores the block relative to
+that bound instead.
 
 Denominators: ``decode(..., floor=True)`` decodes code 0 as the upper end
 of the values it stands for, :math:`s (1/Q)^p / 2`, not 0; the optimizers
@@ -78,6 +81,7 @@ import numpy as np
 
 __all__ = (
   "DEFAULT_BLOCK_SIZE",
+  "DEFAULT_MIN_SIZE",
   "FORMAT_NAMES",
   "FormatLike",
   "Quantized",
@@ -89,6 +93,7 @@ __all__ = (
   "init",
   "scale_shape",
   "state_format",
+  "stored_absmax",
   "tree_bytes",
   "tree_decode",
   "tree_encode",
@@ -106,6 +111,11 @@ class StateFormat:
     block_size: entries per block along the last axis (8-bit formats only).
     power: exponent ``p`` of the code map (8-bit formats only).
     stochastic: whether encoding rounds stochastically (needs a key).
+    min_size: 8-bit formats: an array of fewer entries is stored in
+      float32 (its codes are the float32 values, its scales unused): what
+      8 bits would save on it is negligible beside the large arrays, and
+      its blocks are too few to share a scale (a bias, a 2-parameter
+      problem). Default :data:`DEFAULT_MIN_SIZE`, as bitsandbytes does.
   """
 
   name: str
@@ -113,6 +123,11 @@ class StateFormat:
   block_size: int = 0
   power: int = 0
   stochastic: bool = False
+  min_size: int = 0
+
+  def exact(self, shape: tuple[int, ...]) -> bool:
+    """Whether an array of ``shape`` is stored in float32 (``min_size``)."""
+    return self.blocked and math.prod(shape) < self.min_size
 
   @property
   def blocked(self) -> bool:
@@ -136,6 +151,8 @@ FORMAT_NAMES = (
 )
 #: Entries per block of the 8-bit formats, along the last axis.
 DEFAULT_BLOCK_SIZE = 256
+#: Arrays of fewer entries are stored in float32 by the 8-bit formats.
+DEFAULT_MIN_SIZE = 4096
 _DEFAULT_POWER = {"int8": 2, "int8_sr": 2, "uint8": 2}
 _DTYPES = {
   "float32": jnp.float32,
@@ -165,7 +182,11 @@ FormatLike = str | StateFormat
 
 
 def state_format(
-  name: FormatLike, *, block_size: int | None = None, power: int | None = None
+  name: FormatLike,
+  *,
+  block_size: int | None = None,
+  power: int | None = None,
+  min_size: int | None = None,
 ) -> StateFormat:
   """The :class:`StateFormat` called ``name``.
 
@@ -176,24 +197,31 @@ def state_format(
       (default 256).
     power: code-map exponent for ``"int8"`` / ``"uint8"``, in [1, 8]
       (default 2).
+    min_size: 8-bit formats: arrays of fewer entries are stored in
+      float32, >= 0 (default :data:`DEFAULT_MIN_SIZE`; 0: none).
 
   Returns:
-    The format.
+    The format (a :class:`StateFormat` given with overrides keeps its other
+    settings).
 
   Raises:
-    ValueError: for an unknown name, or an out-of-range ``block_size`` or
-      ``power``, or either given for a float format.
+    ValueError: for an unknown name, or an out-of-range ``block_size``,
+      ``power`` or ``min_size``, or any of them given for a float format.
   """
   if isinstance(name, StateFormat):
-    if block_size is None and power is None:
+    if block_size is None and power is None and min_size is None:
       return name
+    if name.blocked:
+      block_size = name.block_size if block_size is None else block_size
+      power = name.power if power is None else power
+      min_size = name.min_size if min_size is None else min_size
     name = name.name
   if name not in FORMAT_NAMES:
     raise ValueError(f"`format` must be one of {FORMAT_NAMES}, got {name!r}.")
   if name not in _DEFAULT_POWER:
-    if block_size is not None or power is not None:
+    if block_size is not None or power is not None or min_size is not None:
       raise ValueError(
-        f"`block_size` and `power` apply to the 8-bit formats "
+        f"`block_size`, `power` and `min_size` apply to the 8-bit formats "
         f"only, not to {name!r}."
       )
     return StateFormat(
@@ -205,12 +233,18 @@ def state_format(
     raise ValueError(f"`block_size` must be an int >= 1, got {block_size!r}.")
   if not isinstance(power, int) or not 1 <= power <= 8:
     raise ValueError(f"`power` must be an int in [1, 8], got {power!r}.")
+  min_size = DEFAULT_MIN_SIZE if min_size is None else min_size
+  if (
+    not isinstance(min_size, int) or isinstance(min_size, bool) or min_size < 0
+  ):
+    raise ValueError(f"`min_size` must be an int >= 0, got {min_size!r}.")
   return StateFormat(
     name,
     jnp.dtype(_DTYPES[name]),
     block_size,
     power,
     stochastic=name.endswith("_sr"),
+    min_size=min_size,
   )
 
 
@@ -230,8 +264,9 @@ def bytes_per_entry(fmt: FormatLike, shape: tuple[int, ...]) -> float:
   size = math.prod(shape)
   if not fmt.blocked:
     return float(fmt.dtype.itemsize)
+  itemsize = 4 if fmt.exact(tuple(shape)) else fmt.dtype.itemsize
   return (
-    size * fmt.dtype.itemsize + 4 * math.prod(scale_shape(fmt, tuple(shape)))
+    size * itemsize + 4 * math.prod(scale_shape(fmt, tuple(shape)))
   ) / max(size, 1)
 
 
@@ -247,8 +282,9 @@ def init(fmt: FormatLike, like: Any, *, name: str = "an array") -> Any:
   shape = tuple(like.shape)
   if not fmt.blocked:
     return jnp.zeros(shape, fmt.dtype)
+  dtype = jnp.float32 if fmt.exact(shape) else fmt.dtype
   return Quantized(
-    jnp.zeros(shape, fmt.dtype), jnp.zeros(scale_shape(fmt, shape), jnp.float32)
+    jnp.zeros(shape, dtype), jnp.zeros(scale_shape(fmt, shape), jnp.float32)
   )
 
 
@@ -275,7 +311,8 @@ def _check_blocks_in_shards(fmt: StateFormat, x: Any, name: str) -> None:
     ValueError: naming ``name``, the sharding and the block size.
   """
   shape = tuple(x.shape)
-  sharding = _sharding_of(x) if fmt.blocked and shape and shape[-1] else None
+  blocked = fmt.blocked and not fmt.exact(shape)
+  sharding = _sharding_of(x) if blocked and shape and shape[-1] else None
   if sharding is None:
     return
   try:
@@ -314,9 +351,9 @@ def _unblock(blocks: jax.Array, pad: int, shape: tuple[int, ...]) -> jax.Array:
   return x.reshape(shape)
 
 
-def _magnitude(fmt: StateFormat, q: jax.Array) -> jax.Array:
-  """``(q / Q)^p`` in float32 for integer-valued ``q >= 0``."""
-  return jax.lax.integer_pow(q / np.float32(fmt.levels), fmt.power)
+def _power(q: jax.Array, power: int) -> jax.Array:
+  """``q^p`` in float32 (``p`` a static int: multiplies)."""
+  return jax.lax.integer_pow(q, power)
 
 
 def _root(u: jax.Array, power: int) -> jax.Array:
@@ -326,34 +363,43 @@ def _root(u: jax.Array, power: int) -> jax.Array:
   return u if power == 1 else jnp.power(u, np.float32(1 / power))
 
 
+def _per_block(block_values: jax.Array, like: jax.Array) -> jax.Array:
+  """``block_values`` (one per block) broadcast over ``like``'s blocks."""
+  return block_values.reshape(like.shape[:-1])[..., None]
+
+
 def _encode_blocked(
   fmt: StateFormat,
   x: jax.Array,
   bits: jax.Array | None = None,
   scale: jax.Array | None = None,
 ) -> Quantized:
+  # In level units: y = Q^p |x| / s lies in [0, Q^p] and code k stands for
+  # k^p, so the two codes around y are lo = floor(y^(1/p)) and lo + 1, and
+  # the nearest in value is lo + 1 iff y > (lo^p + (lo + 1)^p) / 2. About a
+  # dozen operations per entry: the encode is the 8-bit step's main cost.
   shape = x.shape
   xb, pad = _blocks(fmt, x.astype(jnp.float32))
   if scale is None:
     absmax = jnp.max(jnp.abs(xb), axis=-1)
   else:
     absmax = jnp.asarray(scale, jnp.float32).reshape(xb.shape[:-1])
-  inv = jnp.where(absmax > 0, 1.0 / absmax, 0.0)[..., None]
-  u = jnp.minimum(jnp.abs(xb) * inv, 1.0)
-  if fmt.dtype == jnp.uint8:
-    u = jnp.where(xb > 0, u, 0.0)  # negative entries of a "uint8" array -> 0
   q_max = np.float32(fmt.levels)
-  lo = jnp.clip(jnp.floor(_root(u, fmt.power) * q_max), 0, q_max - 1)
-  below, above = _magnitude(fmt, lo), _magnitude(fmt, lo + 1)
+  top = np.float32(float(fmt.levels) ** fmt.power)
+  k = jnp.where(absmax > 0, top / absmax, 0.0)[..., None]
+  # "uint8" stores negative entries as 0.
+  mag = jnp.maximum(xb, 0.0) if fmt.dtype == jnp.uint8 else jnp.abs(xb)
+  y = jnp.minimum(mag * k, top)
+  lo = jnp.minimum(jnp.floor(_root(y, fmt.power)), q_max)
+  below = _power(lo, fmt.power)
+  gap = _power(lo + 1, fmt.power) - below
   if bits is None:
-    # Nearest in value between the two codes around u:
-    # (lo/Q)^p <= u ~ ((lo+1)/Q)^p.
-    up = above - u < u - below
+    up = y - below > 0.5 * gap  # nearest in value
   else:
-    # Up with probability (u - below) / (above - below): unbiased in value.
+    # Up with probability (y - below) / gap: unbiased in value.
     bb, _ = _blocks(fmt, bits)
     uniform = (bb >> np.uint32(8)).astype(jnp.float32) * np.float32(2**-24)
-    up = uniform * (above - below) < u - below
+    up = uniform * gap < y - below
   q = jnp.where(up, lo + 1, lo)
   if fmt.dtype == jnp.int8:
     q = jnp.where(xb < 0, -q, q)
@@ -386,12 +432,30 @@ def _decode_blocked(
   shape = codes.shape
   qb, pad = _blocks(fmt, codes)
   q = qb.astype(jnp.float32)
-  mag = _magnitude(fmt, jnp.abs(q))
+  # s (|q| / Q)^p as |q|^p (s / Q^p): one multiply by a per-block constant.
+  unit = stored.scale / np.float32(float(fmt.levels) ** fmt.power)
+  mag = _power(jnp.abs(q), fmt.power)
   if floor:  # code 0 holds [0, s (1/Q)^p / 2]: its upper end
-    mag = jnp.where(q == 0, 0.5 * _magnitude(fmt, jnp.float32(1)), mag)
-  value = jnp.where(q < 0, -mag, mag)
-  scale = stored.scale.reshape(qb.shape[:-1])
-  return _unblock(value * scale[..., None], pad, shape)
+    mag = jnp.maximum(mag, 0.5)
+  value = jnp.where(q < 0, -mag, mag) if fmt.dtype == jnp.int8 else mag
+  return _unblock(value * _per_block(unit, qb), pad, shape)
+
+
+def stored_absmax(fmt: FormatLike, stored: Quantized) -> jax.Array:
+  """The largest ``|decode(fmt, stored)|`` of each block, from a reduction
+  of the codes (equal to it: decoding is monotone in ``|q|``), shaped like
+  the scales.
+  """
+  fmt = state_format(fmt)
+  if jnp.issubdtype(stored.codes.dtype, jnp.floating):  # stored exactly
+    return block_absmax(fmt, stored.codes)
+  qb, _ = _blocks(fmt, stored.codes)
+  hi = jnp.max(qb, axis=-1).astype(jnp.int32)
+  if fmt.dtype == jnp.int8:
+    hi = jnp.maximum(hi, -jnp.min(qb, axis=-1).astype(jnp.int32))
+  unit = stored.scale / np.float32(float(fmt.levels) ** fmt.power)
+  mag = _power(hi.astype(jnp.float32), fmt.power)
+  return mag.reshape(unit.shape) * unit
 
 
 def _round_bf16_stochastic(x: jax.Array, bits: jax.Array) -> jax.Array:
@@ -461,6 +525,9 @@ def encode(
         "must be a PRNG key, got None."
       )
     bits = jax.random.bits(key, x.shape, jnp.uint32)
+  if fmt.blocked and fmt.exact(tuple(x.shape)):
+    unused = jnp.zeros(scale_shape(fmt, tuple(x.shape)), jnp.float32)
+    return Quantized(x.astype(jnp.float32), unused)
   if fmt.blocked:
     _check_blocks_in_shards(fmt, x, "an array")
     return _encode_blocked(fmt, x, bits if fmt.stochastic else None, scale)
@@ -496,6 +563,8 @@ def decode(fmt: FormatLike, stored: Any, *, floor: bool = False) -> jax.Array:
     The float32 array.
   """
   fmt = state_format(fmt)
+  if fmt.blocked and jnp.issubdtype(stored.codes.dtype, jnp.floating):
+    return stored.codes.astype(jnp.float32)  # stored exactly (min_size)
   if fmt.blocked:
     _check_blocks_in_shards(fmt, stored.codes, "an array")
     return _decode_blocked(fmt, stored, floor)

@@ -199,6 +199,7 @@ def store_accumulator(
   dense: list[Any],
   fmt: Any,
   word: jax.Array,
+  bounds: list[Any] | None = None,
 ) -> tuple[Any, list[jax.Array]]:
   """The new stored accumulator and the values its readers must use.
 
@@ -208,7 +209,9 @@ def store_accumulator(
   rounded stochastically (noise :func:`grpo_optax._common.hash_bits` of
   ``word``, unbiased), and the mask, the update and the next step's
   residual all read that stored value (returned as the second element), so
-  that nothing but the rounding's zero-mean error is lost; reading ``a``
+  that nothing but the rounding's zero-mean error is lost. ``bounds``: per
+  leaf, the 8-bit blocks' scales (:func:`accumulator_scales`), or None for
+  the blocks' maxima. Reading ``a``
   instead would also make XLA copy the donated accumulator (it is read
   after being overwritten in place).
   """
@@ -229,7 +232,12 @@ def store_accumulator(
       new_stored.append(value.astype(o.dtype))
       new_scales.append(sc)
       continue
-    enc = quantization.encode(fmt, value, bits=_common.hash_bits(a.shape, word))
+    enc = quantization.encode(
+      fmt,
+      value,
+      bits=_common.hash_bits(a.shape, word),
+      scale=None if bounds is None else bounds[i],
+    )
     if fmt.blocked:
       new_stored.append(enc.codes)
       new_scales.append(enc.scale)
@@ -901,15 +909,18 @@ class TopKMaskConfig(_mechanism.Config):
       ), new_state
     return self._score_update(leaves, state, treedef)
 
-  def threshold_phase(self, leaves, state, treedef):
+  def threshold_phase(self, leaves, state, treedef, x_bounds=None):
     """The sampled top-k up to its thresholds: ``(a_leaves, thresholds,
     new_state)``, with ``a`` the accumulated (and stored) gradients and one
     threshold scalar per masked leaf (None on a leaf that passes dense).
-    The fused core of :func:`grpo_optax.grpo` calls it too.
+    The fused core of :func:`grpo_optax.grpo` calls it too, with
+    ``x_bounds`` (see :func:`accumulator_scales`).
     """
     t = state.count
     dense = [dense_leaf(g.size, self.min_size) for g in leaves]
-    a_leaves, stored = _accumulated(self, leaves, state, treedef, dense)
+    a_leaves, stored = _accumulated(
+      self, leaves, state, treedef, dense, x_bounds
+    )
     frac = warmup_fraction(self.fraction, self.warmup_steps, t)
     found = topk_leaf_thresholds(a_leaves, dense, frac, self.seed, t)
     return (
@@ -988,7 +999,50 @@ def _read_or_none(cfg, state, treedef, n):
   return read_accumulator(state.accumulator, treedef)
 
 
-def _accumulated(cfg, leaves, state, treedef, dense):
+def accumulator_scales(cfg, x_leaves, state, treedef, dense, x_bounds=None):
+  r"""The scales of an 8-bit accumulator's new blocks, from a bound (None for
+  other formats).
+
+  The accumulator stores :math:`a = x + r`, with :math:`r` the residual of
+  the old accumulator at the last step's threshold :math:`\theta`: entries
+  below it in magnitude (all of it for :data:`RESIDUAL_ONLY`), each at most
+  the old block's scale :math:`s`. So block by block
+
+  .. math::
+
+    \max_i |a_i| \le \max_i |x_i| + \min(s, \theta),
+
+  known before ``a`` is (as for the moments,
+  :func:`grpo_optax.momentum.moment_scale`): the new accumulator is encoded
+  in the same elementwise pass that adds the gradient, instead of being
+  written out in float32 for a reduction first. The bound stays within the
+  threshold of the block's maximum, so the accumulator's resolution follows
+  its threshold, not its history. ``x_bounds``: per leaf, a bound on the
+  blocks' :math:`\max_i |x_i|` known to the caller (the fused core: the
+  gradient's maxima times the clip factor); None: the maxima of ``x``.
+  """
+  fmt = cfg.accumulator_format
+  if not cfg.error_feedback or fmt is None or not fmt.blocked:
+    return None
+  old = treedef.flatten_up_to(state.accumulator.scale)
+  masked = masked_leaves(dense)
+  out: list[Any] = [None] * len(x_leaves)
+  if not masked:
+    return out
+  ths = state.thresholds
+  if len(masked) != len(x_leaves):
+    ths = _common.take(ths, masked)
+  for i, th in zip(masked, _common.unstack(ths)):
+    if x_bounds is not None:
+      xb = x_bounds[i]
+    else:
+      xb = quantization.block_absmax(fmt, x_leaves[i])
+    th = th.astype(jnp.float32)
+    out[i] = xb + jnp.where(th >= 0, jnp.minimum(old[i], th), old[i])
+  return out
+
+
+def _accumulated(cfg, leaves, state, treedef, dense, x_bounds=None):
   """``(a_leaves, stored)``: the accumulated gradients as the masks read them
   (:func:`store_accumulator`) and the new stored accumulator (None without
   error feedback).
@@ -1004,6 +1058,7 @@ def _accumulated(cfg, leaves, state, treedef, dense):
     dense,
     cfg.accumulator_format,
     accumulator_word(cfg.seed, state.count),
+    accumulator_scales(cfg, leaves, state, treedef, dense, x_bounds),
   )
   return a_leaves, stored
 
@@ -1299,13 +1354,15 @@ class EmaThresholdMaskConfig(_mechanism.Config):
       _masked_outputs(a_leaves, thr, state, treedef)
     ), new_state
 
-  def threshold_phase(self, leaves, state, treedef):
+  def threshold_phase(self, leaves, state, treedef, x_bounds=None):
     """The EMA threshold up to its thresholds: ``(a_leaves, thresholds,
     new_state)`` as :meth:`TopKMaskConfig.threshold_phase`.
     """
     t = state.count
     dense = [dense_leaf(g.size, self.min_size) for g in leaves]
-    a_leaves, stored = _accumulated(self, leaves, state, treedef, dense)
+    a_leaves, stored = _accumulated(
+      self, leaves, state, treedef, dense, x_bounds
+    )
     found, tau = threshold_leaf_thresholds(
       a_leaves, dense, state.tau, self.alpha, t, self.every, self.scale
     )

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import grpo_optax
+from grpo_optax import quantization
 
 STEPS = 30
 
@@ -264,7 +265,11 @@ def test_int8_state_tracks_fp32_adam():
     return float(loss(w)), state[0], w["w"]
 
   l32, _, w32 = run()
-  l8, state, w8 = run(mu_format="int8", nu_format="uint8")
+  # 256 entries: under the formats' min_size, so asked for explicitly.
+  l8, state, w8 = run(
+    mu_format=quantization.state_format("int8", min_size=0),
+    nu_format=quantization.state_format("uint8", min_size=0),
+  )
   assert state.mu.codes["w"].dtype == jnp.int8
   assert state.nu.codes["w"].dtype == jnp.uint8
   start = float(loss({"w": jnp.zeros((64, 4))}))

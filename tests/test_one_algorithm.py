@@ -129,6 +129,27 @@ GRID = {
     nu_format="uint8",
   ),
   "topk_article": dict(grpo_optax.ARTICLE_DEFAULTS, fraction=0.2),
+  # All state in 8 bits: the fused core reads its blocks' bounds off the
+  # gradient, the params (l2) and the new accumulator's codes; the chain
+  # reduces the clipped and the masked gradients themselves.
+  "topk_8bit": dict(
+    max_norm=0.05,
+    l2=1e-2,
+    fraction=0.3,
+    min_size=100,
+    mu_format="int8",
+    nu_format="uint8",
+    accumulator_format="int8_sr",
+  ),
+  # The threshold mask without error feedback, 8-bit moments: the moments'
+  # bound is the clipped gradient's, cut at the leaf's threshold.
+  "threshold_int8_no_feedback": dict(
+    sparsify="threshold",
+    error_feedback=False,
+    min_size=0,
+    mu_format="int8",
+    nu_format="uint8",
+  ),
 }
 
 

@@ -113,7 +113,7 @@ def test_digits_mlp_no_step_above_10x_lr():
 
 
 def test_floor_decodes_code_zero_to_its_upper_end():
-  fmt = qz.state_format("uint8")
+  fmt = qz.state_format("uint8", min_size=0)
   rng = np.random.default_rng(1)
   nu = rng.standard_t(3, (4, 512)) * np.exp(3 * rng.normal(size=(4, 512)))
   nu = jnp.asarray(nu.astype(np.float32) ** 2)

@@ -618,10 +618,14 @@ MUTANTS: list[Mutant] = [
     "threshold_min_size_ignored",
     "grpo_optax/sparsify.py",
     "dense = [dense_leaf(g.size, self.min_size) for g in leaves]\n"
-    "    a_leaves, stored = _accumulated(self, leaves, state, treedef, dense)\n"
+    "    a_leaves, stored = _accumulated(\n"
+    "      self, leaves, state, treedef, dense, x_bounds\n"
+    "    )\n"
     "    found, tau = threshold_leaf_thresholds(",
     "dense = [False for g in leaves]\n"
-    "    a_leaves, stored = _accumulated(self, leaves, state, treedef, dense)\n"
+    "    a_leaves, stored = _accumulated(\n"
+    "      self, leaves, state, treedef, dense, x_bounds\n"
+    "    )\n"
     "    found, tau = threshold_leaf_thresholds(",
     sp("test_ema_threshold_min_size_passes_small_leaves_dense"),
     "ema_threshold_mask masks leaves smaller than min_size",
@@ -806,8 +810,8 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "fused_moments_see_the_unmasked_gradient",
     "grpo_optax/fused.py",
-    "_masked(a_leaves, thr),",
-    "list(a_leaves),",
+    "m_leaves = _masked(a_leaves, thr)",
+    "m_leaves = list(a_leaves)",
     T_ONE + T_FUSED,
     "Adam's moments updated with the gradient before the mask (the fused"
     " core hands one masked gradient to momentum.adam_leaves, which feeds"
@@ -816,8 +820,8 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "fused_update_sees_the_unmasked_gradient",
     "grpo_optax/fused.py",
-    "_masked(a_leaves, thr),",
-    "_masked(x_leaves, thr),",
+    "m_leaves = _masked(a_leaves, thr)",
+    "m_leaves = _masked(x_leaves, thr)",
     T_ONE + T_FUSED,
     "replaced (the moments and the update now read one masked expression,"
     " so the update cannot see another gradient than the moments): Adam"
@@ -903,10 +907,14 @@ MUTANTS: list[Mutant] = [
     "fused_min_size_ignored",
     "grpo_optax/sparsify.py",
     "dense = [dense_leaf(g.size, self.min_size) for g in leaves]\n"
-    "    a_leaves, stored = _accumulated(self, leaves, state, treedef, dense)\n"
+    "    a_leaves, stored = _accumulated(\n"
+    "      self, leaves, state, treedef, dense, x_bounds\n"
+    "    )\n"
     "    frac = warmup_fraction(",
     "dense = [False for g in leaves]\n"
-    "    a_leaves, stored = _accumulated(self, leaves, state, treedef, dense)\n"
+    "    a_leaves, stored = _accumulated(\n"
+    "      self, leaves, state, treedef, dense, x_bounds\n"
+    "    )\n"
     "    frac = warmup_fraction(",
     sp("test_sampled_topk_min_size_passes_small_leaves_dense") + T_FUSED,
     "the sampled top-k (TopKMaskConfig.threshold_phase, the fused core's"
