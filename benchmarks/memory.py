@@ -70,6 +70,10 @@ FACTORIES: dict[str, Callable[[float], optax.GradientTransformation]] = {
   "grpo_int8": lambda lr: grpo_optax.grpo(
     lr, mu_format="int8", nu_format="uint8"
   ),
+  # ... and the error-feedback accumulator in 8 bits too: all of the state.
+  "grpo_8bit": lambda lr: grpo_optax.grpo(
+    lr, mu_format="int8", nu_format="uint8", accumulator_format="int8_sr"
+  ),
 }
 BASELINE = "adam_fp32"
 
