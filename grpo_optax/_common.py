@@ -460,6 +460,16 @@ def leaf_scalars(params: Any, value: Any = 0.0, dtype: Any = jnp.float32):
   return jnp.full((len(jax.tree.leaves(params)),), value, dtype)
 
 
+def add_pairwise(xs: tuple[Any, ...], ys: tuple[Any, ...]) -> tuple[Any, ...]:
+  """The computation of a variadic sum by ``jax.lax.reduce``.
+
+  One function, not a lambda per call: ``lax.reduce`` caches its jaxpr by
+  the function, so equal reductions are one primitive (outside ``jit``,
+  one compilation, not one per call).
+  """
+  return tuple(x + y for x, y in zip(xs, ys))
+
+
 def _split_reduce(x: jax.Array) -> list[jax.Array]:
   """The ``m`` columns of ``x`` (shape ``(..., m)``) as ``m`` arrays, by one
   variadic sum over the last axis: output ``j`` sums column ``j`` and
@@ -475,7 +485,7 @@ def _split_reduce(x: jax.Array) -> list[jax.Array]:
     jax.lax.reduce(
       ops,
       (zero,) * m,
-      lambda xs, ys: tuple(u + v for u, v in zip(xs, ys)),
+      add_pairwise,
       (x.ndim - 1,),
     )
   )

@@ -68,7 +68,7 @@ def _leaf_sums(arrays: list[jax.Array]) -> list[jax.Array]:
     jax.lax.reduce(
       tuple(arrays),
       tuple(zero for _ in arrays),
-      lambda xs, ys: tuple(x + y for x, y in zip(xs, ys)),
+      _common.add_pairwise,
       tuple(range(arrays[0].ndim)),
     )
   )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +12,10 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-cases = pytest.mark.parametrize("case", CASES, ids=str)
+# Module scope: pytest runs a case's tests one after another (and so xdist's
+# --dist load sends them to one worker, in chunks of consecutive tests), where
+# they share the case's jitted step (see _jitted).
+cases = pytest.mark.parametrize("case", CASES, ids=str, scope="module")
 
 
 def _params(dtype=jnp.float32):
@@ -41,14 +42,36 @@ def _grads(params, i):
   )
 
 
-@functools.cache
-def _jitted(name):
-  """A case's transform and its jitted update, shared by this worker's tests.
+_STEPS = {}  # case name -> (transform, step, its traces): see _jitted
 
-  Each test of the same case and inputs then reuses one compilation.
+
+def _jitted(name, fresh=False):
+  """A case's transform, one jitted step and the list of its traces.
+
+  ``step(g, s, p)`` returns the update, the new state and both again as the
+  update gives them with unknown extra arguments (the same computation: XLA
+  merges it with the first). The step is shared by this worker's tests of
+  the case, which then reuse one compilation; ``fresh`` builds (and shares
+  from then on) a new, untraced one.
   """
-  tx = _BY_NAME[name].make()
-  return tx, jax.jit(tx.update)
+  if fresh or name not in _STEPS:
+    tx = _BY_NAME[name].make()
+    traces = []
+
+    @jax.jit
+    def step(g, s, p):
+      traces.append(None)
+      u, new_s = tx.update(g, s, p)
+      extra = tx.update(g, s, p, unknown_arg=jnp.ones(3), another=None)
+      return u, new_s, extra
+
+    _STEPS[name] = tx, step, traces
+  return _STEPS[name]
+
+
+def _update(step):
+  """The ``update(g, s, p) -> (u, new_s)`` of a step of :func:`_jitted`."""
+  return lambda g, s, p: step(g, s, p)[:2]
 
 
 _BY_NAME = {case.name: case for case in CASES}
@@ -71,36 +94,24 @@ def _dtypes(tree):
 
 @cases
 def test_no_recompilation(case):
-  tx = case.make()
+  # The first test of a case (module-scoped parametrization): its fresh
+  # step is the one the case's other tests share.
+  tx, step, traces = _jitted(case.name, fresh=True)
   params = _params()
-  traces = []
-
-  @jax.jit
-  def step(p, s, g):
-    traces.append(None)
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
   state = tx.init(params)
   for i in range(3):
-    params, state = step(params, state, _grads(params, i))
+    u, state, _ = step(_grads(params, i), state, params)
+    params = optax.apply_updates(params, u)
   assert len(traces) == 1
 
 
 @cases
 def test_unknown_extra_args_accepted(case):
-  tx = case.make()
+  tx, step, _ = _jitted(case.name)
   params = _params()
-
-  # Both updates in one compiled program (one compilation, not an op-by-op
-  # run of each).
-  @jax.jit
-  def both(g, s, p):
-    u1, _ = tx.update(g, s, p)
-    u2, _ = tx.update(g, s, p, unknown_arg=jnp.ones(3), another=None)
-    return u1, u2
-
-  u1, u2 = both(_grads(params, 0), tx.init(params), params)
+  # The step's last output is the update given unknown_arg=jnp.ones(3) and
+  # another=None.
+  u1, _, (u2, _) = step(_grads(params, 0), tx.init(params), params)
   chex_equal(u1, u2)
 
 
@@ -111,8 +122,8 @@ def chex_equal(a, b):
 @cases
 def test_inject_hyperparams_identical(case):
   params = _params()
-  tx, update = _jitted(case.name)
-  plain, _, _ = _run(tx, params, 4, update)
+  tx, step, _ = _jitted(case.name)
+  plain, _, _ = _run(tx, params, 4, _update(step))
   injected_tx = optax.inject_hyperparams(
     case.factory, static_args=case.static_args
   )(**case.kwargs)
@@ -238,7 +249,8 @@ def test_sharded_params_give_sharded_updates(case):
   }
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   sharded = jax.device_put(params, shardings)
-  tx, update = _jitted(case.name)
+  tx, step, _ = _jitted(case.name)
+  update = _update(step)
   state_ref = tx.init(params)
   state = jax.jit(tx.init)(sharded)
   for i in range(3):
@@ -300,7 +312,9 @@ def test_odd_trees(case):
     "none": None,
     "empty": jnp.zeros((0, 3)),
     "one": jnp.ones((1,)),
-    "seq": (jnp.ones((2, 3)), [jnp.full((4,), 2.0)]),
+    # float32, not the weak float of jnp.full(..., 2.0): a state built from a
+    # weakly typed leaf changes type at the first step (a second compilation)
+    "seq": (jnp.ones((2, 3)), [jnp.full((4,), 2.0, jnp.float32)]),
   }
   tx = case.make()
   state = tx.init(params)
@@ -318,7 +332,8 @@ def test_state_serialization_roundtrip(case):
   """State survives a host round trip (pickle of NumPy arrays), as checkpoints do."""
   import pickle  # pylint: disable=g-import-not-at-top
 
-  tx, update = _jitted(case.name)
+  tx, step, _ = _jitted(case.name)
+  update = _update(step)
   params = _params()
   state = tx.init(params)
   for i in range(2):

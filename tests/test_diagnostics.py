@@ -14,11 +14,13 @@ import grpo_optax
 
 def _params():
   # "tiny" has parameters 1e-4: its importance mean|u * p| is about 1e-4 of
-  # the others', so it freezes at the first step allowed.
+  # the others', so it freezes at the first step allowed. Float32, not weak
+  # float: a state built from weakly typed params would change type at the
+  # first step, and the jitted steps would compile twice.
   return {
-    "w": jnp.ones((6, 4)),
-    "b": jnp.full((4,), 0.5),
-    "tiny": jnp.full((3,), 1e-4),
+    "w": jnp.ones((6, 4), jnp.float32),
+    "b": jnp.full((4,), 0.5, jnp.float32),
+    "tiny": jnp.full((3,), 1e-4, jnp.float32),
   }
 
 

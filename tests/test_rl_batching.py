@@ -52,6 +52,12 @@ def _loss(w, batch, config, normalizer):
   return loss
 
 
+# The loss and its gradient, jitted once for the module: the data-parallel
+# test's whole-batch reference reuses the microbatch test's compilation of
+# the same preset and shapes.
+_value_and_grad = jax.jit(jax.value_and_grad(_loss), static_argnums=2)
+
+
 def _config(preset):
   # Dual clip on, so every branch of the surrogate is exercised.
   return rl.Config.preset(preset, dual_clip=2.0, beta=0.05)
@@ -71,7 +77,7 @@ def test_microbatches_with_the_global_normalizer_sum_to_the_batch(preset):
   batch, w = _batch()
   config = _config(preset)
   norm = rl.loss_normalizer(batch["mask"])
-  grad_fn = jax.jit(jax.value_and_grad(_loss), static_argnums=2)
+  grad_fn = _value_and_grad
   whole, whole_grad = grad_fn(w, batch, config, norm)
   default, _ = grad_fn(w, batch, config, None)
   assert float(default) == pytest.approx(float(whole), rel=1e-6)
@@ -110,7 +116,7 @@ def test_data_parallel_step_on_8_devices_equals_the_batch(preset):
     )
   )
   loss, grad = step(w, batch)
-  whole, whole_grad = jax.value_and_grad(_loss)(
+  whole, whole_grad = _value_and_grad(
     w, batch, config, rl.loss_normalizer(batch["mask"])
   )
   np.testing.assert_allclose(loss, whole, rtol=1e-6, atol=1e-7)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import io
 import tokenize
 
@@ -96,6 +97,14 @@ def _offsets(text: str) -> list[int]:
   return starts
 
 
+@functools.lru_cache(maxsize=64)
+def _text_tokens(text: str) -> tuple[list[_Token], list[int]]:
+  """A module's code tokens and line offsets (cached: the curated mutants
+  look many snippets up in the same file).
+  """
+  return _code_tokens(text), _offsets(text)
+
+
 def find_spans(text: str, snippet: str) -> list[tuple[int, int]]:
   """Character spans of text where snippet occurs.
 
@@ -113,8 +122,7 @@ def find_spans(text: str, snippet: str) -> list[tuple[int, int]]:
   want = _snippet_tokens(snippet)
   if not want:
     return []
-  toks = _code_tokens(text)
-  line_start = _offsets(text)
+  toks, line_start = _text_tokens(text)
   at = lambda rc: line_start[rc[0] - 1] + rc[1]
   k = len(want)
   return [
@@ -157,6 +165,25 @@ def apply_snippet(text: str, old: str, new: str, where: str = "") -> str:
   return text[:a] + new + text[b:]
 
 
+# The fields that hold statements (and the handlers and cases whose bodies
+# do): only statements start a block with a docstring-like string, and no
+# expression holds one, so these reach every node that ast.walk would find
+# with a list ``body``, without visiting the expressions.
+_BLOCK_FIELDS = ("body", "orelse", "finalbody", "handlers", "cases")
+
+
+def _statements(tree: ast.AST):
+  """The tree's root and every statement, handler and case below it."""
+  stack = [tree]
+  while stack:
+    node = stack.pop()
+    yield node
+    for field in _BLOCK_FIELDS:
+      children = getattr(node, field, None)
+      if isinstance(children, list):
+        stack.extend(children)
+
+
 def _tree(text: str) -> ast.Module:
   """The module's AST, with docstrings' layout normalised.
 
@@ -164,7 +191,7 @@ def _tree(text: str) -> ast.Module:
   reformatted copy.
   """
   tree = ast.parse(text)
-  for node in ast.walk(tree):
+  for node in _statements(tree):
     body = getattr(node, "body", None)
     if (
       isinstance(body, list)
@@ -180,24 +207,25 @@ def _tree(text: str) -> ast.Module:
   return tree
 
 
+@functools.lru_cache(maxsize=64)
+def _unparsed(text: str) -> tuple[str, ...]:
+  """The lines ``ast.unparse`` prints for the module (cached: the checks of
+  the curated mutants compare many mutants with the same unmutated file).
+  """
+  return tuple(ast.unparse(_tree(text)).splitlines())
+
+
 def ast_change(before: str, after: str) -> list[str]:
   """The edits between two versions of a module, free of layout.
 
   Compared as ``ast.unparse`` prints them: ``'old' -> 'new'`` per edited run
   of characters.
   """
-  a = ast.unparse(_tree(before)).splitlines()
-  b = ast.unparse(_tree(after)).splitlines()
-  old = [
-    l
-    for l in difflib.unified_diff(a, b, lineterm="", n=0)
-    if l.startswith("-") and not l.startswith("---")
-  ]
-  new = [
-    l
-    for l in difflib.unified_diff(a, b, lineterm="", n=0)
-    if l.startswith("+") and not l.startswith("+++")
-  ]
+  diff = list(
+    difflib.unified_diff(_unparsed(before), _unparsed(after), lineterm="", n=0)
+  )
+  old = [l for l in diff if l.startswith("-") and not l.startswith("---")]
+  new = [l for l in diff if l.startswith("+") and not l.startswith("+++")]
   # Only the edited characters: the lines around them may differ between a
   # file and its linted copy (``Optional[x]`` against ``x | None``).
   x, y = "\n".join(l[1:] for l in old), "\n".join(l[1:] for l in new)
