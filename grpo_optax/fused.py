@@ -153,9 +153,9 @@ def _input_bounds(
   feedback, the new accumulator's (``a`` is what it stores; from the codes
   when stored in 8 bits: :func:`~grpo_optax.quantization.stored_absmax`);
   on any other leaf ``a = x``, the clipped gradient (``clipped(fmt)``:
-  :func:`_clipped_bounds`). One of the old accumulator would make XLA copy
+  ``_clipped_bounds``). One of the old accumulator would make XLA copy
   the donated buffer before overwriting it, one of ``m`` would make it
-  write ``m`` out (:func:`grpo_optax.momentum.moment_scale`).
+  write ``m`` out (``grpo_optax.momentum.moment_scale``).
   """
   ef = mask is not None and mask.error_feedback and accumulator is not None
   quantized = isinstance(accumulator, quantization.Quantized)

@@ -31,7 +31,7 @@ chosen by measuring the error on Adam moments (``python -m benchmarks.memory
 block's maximum (code ``Q``, to one float32 rounding), so a block that
 decays as a whole (``nu`` times ``b2``) keeps its relative values; given a
 ``scale`` (a bound on the block, as the optimizers pass for their moments:
-:func:`grpo_optax.momentum.moment_scale`) it stores the block relative to
+``grpo_optax.momentum.moment_scale``) it stores the block relative to
 that bound instead.
 
 Denominators: ``decode(..., floor=True)`` decodes code 0 as the upper end
@@ -507,7 +507,7 @@ def encode(
       block's :math:`\max_i |x_i|` (an entry above its scale is stored as
       :math:`\pm s`). Lets a caller that knows a bound on the new array's
       blocks (an optimizer's moments: see
-      :func:`grpo_optax.momentum.moment_scale`) encode in one elementwise
+      ``grpo_optax.momentum.moment_scale``) encode in one elementwise
       pass, without first reducing the new array. Ignored by float formats.
 
   Returns:

@@ -210,7 +210,7 @@ def store_accumulator(
   ``word``, unbiased), and the mask, the update and the next step's
   residual all read that stored value (returned as the second element), so
   that nothing but the rounding's zero-mean error is lost. ``bounds``: per
-  leaf, the 8-bit blocks' scales (:func:`accumulator_scales`), or None for
+  leaf, the 8-bit blocks' scales (``accumulator_scales``), or None for
   the blocks' maxima. Reading ``a``
   instead would also make XLA copy the donated accumulator (it is read
   after being overwritten in place).
@@ -914,7 +914,7 @@ class TopKMaskConfig(_mechanism.Config):
     new_state)``, with ``a`` the accumulated (and stored) gradients and one
     threshold scalar per masked leaf (None on a leaf that passes dense).
     The fused core of :func:`grpo_optax.grpo` calls it too, with
-    ``x_bounds`` (see :func:`accumulator_scales`).
+    ``x_bounds`` (see ``accumulator_scales``).
     """
     t = state.count
     dense = [dense_leaf(g.size, self.min_size) for g in leaves]
@@ -1013,7 +1013,7 @@ def accumulator_scales(cfg, x_leaves, state, treedef, dense, x_bounds=None):
     \max_i |a_i| \le \max_i |x_i| + \min(s, \theta),
 
   known before ``a`` is (as for the moments,
-  :func:`grpo_optax.momentum.moment_scale`): the new accumulator is encoded
+  ``grpo_optax.momentum.moment_scale``): the new accumulator is encoded
   in the same elementwise pass that adds the gradient, instead of being
   written out in float32 for a reduction first. The bound stays within the
   threshold of the block's maximum, so the accumulator's resolution follows
