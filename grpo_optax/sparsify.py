@@ -164,9 +164,16 @@ def check_accumulator_format(value: Any) -> Any:
 
 
 def init_accumulator(params: Any, fmt: Any) -> Any:
-  """Zeros for the accumulator, stored in ``fmt`` (None: the params')."""
+  """Zeros for the accumulator, stored in ``fmt`` (None: the params').
+
+  Of the params' dtype even when they are weakly typed (``jnp.full(shape,
+  0.5)``): the update writes a strongly typed accumulator, and a state
+  whose types change at the first step makes a jitted step compile twice.
+  """
   if fmt is None:
-    return optax.tree.zeros_like(params)
+    return jax.tree.map(
+      lambda p: jnp.zeros_like(p, dtype=jnp.result_type(p)), params
+    )
   return quantization.tree_init(fmt, params)
 
 

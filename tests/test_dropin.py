@@ -270,3 +270,19 @@ def test_adamw_mask_keyword_is_refused_naming_weight_decay_mask():
   # "b" does not decay under the mask: its update differs from the unmasked.
   assert not np.allclose(updates["b"], ref["b"])
   np.testing.assert_allclose(updates["w"], ref["w"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("sparsify", ["topk", "threshold", None])
+def test_weakly_typed_params_give_a_state_whose_types_hold(sparsify):
+  # Params from jnp.full(shape, python_float) are weakly typed; a state
+  # built from them must keep its types through an update, or a jitted
+  # step taking the state compiles again at the next step (optax.adam's mu
+  # and nu do change type there).
+  params = {"w": jnp.full((32, 64), 0.5), "b": jnp.full((64,), 0.1)}
+  assert jax.typeof(params["w"]).weak_type
+  tx = grpo_optax.grpo(1e-3, sparsify=sparsify, min_size=0)
+  state = tx.init(params)
+  grads = jax.tree.map(lambda x: jnp.ones(x.shape, jnp.float32), params)
+  _, new_state = jax.jit(tx.update)(grads, state, params)
+  types = lambda tree: jax.tree.map(jax.typeof, tree)
+  assert types(new_state) == types(state)
