@@ -156,7 +156,11 @@ def test_layerwise_with_quantized_state():
     grpo_optax.scale_by_nesterov_adam_rms(adam_weight=1.0, **f),
     optax.scale(-1e-2),
   )
-  tx = make(mu_format="int8", nu_format="uint8")
+  # A layer's slices (8 x 300) are under the formats' min_size: asked for
+  # in 8 bits explicitly, so that both forms quantize every layer.
+  int8 = grpo_optax.quantization.state_format("int8", min_size=0)
+  uint8 = grpo_optax.quantization.state_format("uint8", min_size=0)
+  tx = make(mu_format=int8, nu_format=uint8)
   fused = training.layerwise_train_step(_embed, _layer, _head, tx)
   plain = training.train_step(fused.loss_fn, tx)
   p1, p2 = _params(d=8, f=300), _params(d=8, f=300)
@@ -173,8 +177,8 @@ def test_layerwise_with_quantized_state():
   # Layer l's slice of the stacked state is that layer's own encoding.
   layer0 = jax.tree.map(lambda x: x[0], s1.layers[0].nu)
   np.testing.assert_allclose(
-    grpo_optax.quantization.tree_decode("uint8", layer0)["w2"],
-    grpo_optax.quantization.tree_decode("uint8", s2[0].nu).layers["w2"][0],
+    grpo_optax.quantization.tree_decode(uint8, layer0)["w2"],
+    grpo_optax.quantization.tree_decode(uint8, s2[0].nu).layers["w2"][0],
     rtol=1e-4,
     atol=1e-9,
   )
