@@ -575,12 +575,15 @@ def decode(fmt: FormatLike, stored: Any, *, floor: bool = False) -> jax.Array:
 # Whole trees (what a transform's state holds).
 
 
+def _leaf_name(path: Any) -> str:
+  """``"leaf ['w']"``: a leaf named by its tree path, in error messages."""
+  return f"leaf {jax.tree_util.keystr(path) or '<root>'}"
+
+
 def _check_tree(fmt: StateFormat, tree: Any) -> None:
   """:func:`_check_blocks_in_shards` on every leaf, named by its path."""
   jax.tree_util.tree_map_with_path(
-    lambda path, x: _check_blocks_in_shards(
-      fmt, x, f"leaf {jax.tree_util.keystr(path) or '<root>'}"
-    ),
+    lambda path, x: _check_blocks_in_shards(fmt, x, _leaf_name(path)),
     tree,
   )
 
