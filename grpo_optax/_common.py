@@ -236,6 +236,11 @@ def _paths(tree: Any) -> list[str]:
   return [jax.tree_util.keystr(k) or "(the root)" for k, _ in flat]
 
 
+def leaf_name(path: Any) -> str:
+  """``"leaf ['w']"``: a leaf named by its tree path, in error messages."""
+  return f"leaf {jax.tree_util.keystr(path) or '<root>'}"
+
+
 def check_tree_like(
   who: str, tree: Any, like: Any, *, name: str = "updates", ref: str = "state"
 ) -> None:

@@ -397,7 +397,7 @@ def leaf_names(treedef) -> list[str]:
   paths = jax.tree_util.tree_leaves_with_path(
     treedef.unflatten([0] * treedef.num_leaves)
   )
-  return [quantization._leaf_name(p) for p, _ in paths]
+  return [_common.leaf_name(p) for p, _ in paths]
 
 
 def moment_scale(fmt, stored, decay, g_leaves, power, treedef, bounds=None):

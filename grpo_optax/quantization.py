@@ -79,6 +79,8 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_optax import _common
+
 __all__ = (
   "DEFAULT_BLOCK_SIZE",
   "DEFAULT_MIN_SIZE",
@@ -575,15 +577,10 @@ def decode(fmt: FormatLike, stored: Any, *, floor: bool = False) -> jax.Array:
 # Whole trees (what a transform's state holds).
 
 
-def _leaf_name(path: Any) -> str:
-  """``"leaf ['w']"``: a leaf named by its tree path, in error messages."""
-  return f"leaf {jax.tree_util.keystr(path) or '<root>'}"
-
-
 def _check_tree(fmt: StateFormat, tree: Any) -> None:
   """:func:`_check_blocks_in_shards` on every leaf, named by its path."""
   jax.tree_util.tree_map_with_path(
-    lambda path, x: _check_blocks_in_shards(fmt, x, _leaf_name(path)),
+    lambda path, x: _check_blocks_in_shards(fmt, x, _common.leaf_name(path)),
     tree,
   )
 
