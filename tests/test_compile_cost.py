@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from compile_options import USER_DEFAULT
 
 import grpo_optax
 from grpo_optax import hlo
@@ -63,7 +64,9 @@ def _distinct(tx, n_layers: int) -> int:
     return optax.apply_updates(p, u), s
 
   compiled = (
-    jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
+    jax.jit(step, donate_argnums=(0, 1))
+    .lower(params, state, params)
+    .compile(compiler_options=USER_DEFAULT)
   )
   return hlo.fused_computations(compiled)["distinct"]
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compile_options import USER_DEFAULT
 
 import grpo_optax
 from grpo_optax import quantization as qz
@@ -102,7 +103,9 @@ def _temp_bytes_per_param(tx, params):
 
   state = tx.init(params)
   compiled = (
-    jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+    jax.jit(step, donate_argnums=(0, 1))
+    .lower(params, state, grads)
+    .compile(compiler_options=USER_DEFAULT)
   )
   n = sum(x.size for x in jax.tree.leaves(params))
   return compiled.memory_analysis().temp_size_in_bytes / n

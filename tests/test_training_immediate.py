@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compile_options import USER_DEFAULT
 
 from grpo_optax import training
 
@@ -61,8 +62,14 @@ def test_donated_step_deletes_inputs_and_lowers_peak():
   donated = training.train_step(loss_fn, tx)
   kept = training.train_step(loss_fn, tx, donate=False)
   batch = _batch(0)
-  p_d = _peak(donated.lower(params, opt_state, batch).compile())
-  p_k = _peak(kept.lower(params, opt_state, batch).compile())
+  p_d = _peak(
+    donated.lower(params, opt_state, batch).compile(
+      compiler_options=USER_DEFAULT
+    )
+  )
+  p_k = _peak(
+    kept.lower(params, opt_state, batch).compile(compiler_options=USER_DEFAULT)
+  )
   assert p_d < 0.8 * p_k
   new_params, new_state, _ = kept(params, opt_state, batch)
   assert not any(x.is_deleted() for x in jax.tree.leaves(params))
@@ -126,9 +133,15 @@ def test_layerwise_donates_and_lowers_peak_memory():
   params = _params(d=64, f=256, num_layers=8)
   batch = _batch(0, n=2)
   peak_fused = _peak(
-    fused.step.lower(params, fused.init(params), batch).compile()
+    fused.step.lower(params, fused.init(params), batch).compile(
+      compiler_options=USER_DEFAULT
+    )
   )
-  peak_plain = _peak(plain.lower(params, tx.init(params), batch).compile())
+  peak_plain = _peak(
+    plain.lower(params, tx.init(params), batch).compile(
+      compiler_options=USER_DEFAULT
+    )
+  )
   assert peak_fused < 0.85 * peak_plain
   state = fused.init(params)
   fused.step(params, state, batch)
@@ -188,5 +201,9 @@ def test_layerwise_with_quantized_state():
   peaks = {}
   for name, t in [("fp32", make()), ("int8", tx)]:
     lw = training.layerwise_train_step(_embed, _layer, _head, t)
-    peaks[name] = _peak(lw.step.lower(params, lw.init(params), batch).compile())
+    peaks[name] = _peak(
+      lw.step.lower(params, lw.init(params), batch).compile(
+        compiler_options=USER_DEFAULT
+      )
+    )
   assert peaks["int8"] < 0.8 * peaks["fp32"]
