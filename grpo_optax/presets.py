@@ -380,7 +380,9 @@ def _signature() -> inspect.Signature:
         "learning_rate",
         inspect.Parameter.POSITIONAL_OR_KEYWORD,
         default=1e-3,
-        annotation="float | optax.Schedule",
+        # The type object, not a string: optax's contrib tests (and other
+        # tools) read it to learn that a schedule is accepted.
+        annotation=optax.ScalarOrSchedule,
       )
     ]
     + [
@@ -389,7 +391,7 @@ def _signature() -> inspect.Signature:
       )
       for k in WIRING
     ],
-    return_annotation="optax.GradientTransformationExtraArgs",
+    return_annotation=optax.GradientTransformationExtraArgs,
   )
 
 

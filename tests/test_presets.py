@@ -1,5 +1,7 @@
 """The grpo() preset: trains in every mode with one compilation; bad input."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,6 +99,22 @@ def test_schedule_and_inject_hyperparams():
   s.hyperparams["learning_rate"] = jnp.asarray(0.0)
   u2, _ = jax.jit(injected.update)(g, s, params)
   assert float(optax.tree.norm(u1)) > 0 and float(optax.tree.norm(u2)) == 0
+
+
+def test_signature_says_a_schedule_is_accepted():
+  # optax's contrib suite runs its schedule test only for an optimizer whose
+  # learning_rate is annotated with the type optax.ScalarOrSchedule (a
+  # string annotation made it skip grpo); then a constant schedule must give
+  # the float's steps.
+  lr = inspect.signature(grpo_optax.grpo).parameters["learning_rate"]
+  assert lr.annotation in (optax.ScalarOrSchedule, optax.Schedule)
+  params = _init()
+  x, y = _data()
+  g = jax.grad(_loss)(params, x, y)
+  txs = grpo_optax.grpo(optax.constant_schedule(1e-3)), grpo_optax.grpo(1e-3)
+  step = jax.jit(lambda tx_i, s, p: txs[tx_i].update(g, s, p), static_argnums=0)
+  (u1, _), (u2, _) = (step(i, txs[i].init(params), params) for i in (0, 1))
+  jax.tree.map(np.testing.assert_array_equal, u1, u2)
 
 
 def _only(learning_rate, **stage_kwargs):
