@@ -42,6 +42,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get(
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse
+import functools
 import json
 import math
 import platform
@@ -517,8 +518,8 @@ CONFIGS = {
   ],
   "powersgd_r1": ["--exchange", "powersgd", "--exchange-rank", "1"],
   # DGC all-gather under 0.2% of the dense bytes (bf16 values, compact
-  # indices; modelled: ResNet 0.193%), with the default warm-up stages and
-  # with stages 2.5x longer.
+  # indices; modelled: ResNet 0.193%, BERT 0.13%), with the default warm-up
+  # stages and with stages 2.5x longer (WARMUP_SCALE).
   "all_gather_compact_bf16_0.00028": [
     "--exchange",
     "all_gather",
@@ -529,7 +530,7 @@ CONFIGS = {
     "--exchange-values",
     "bfloat16",
   ],
-  "all_gather_compact_bf16_0.00028_w25": [
+  "all_gather_compact_bf16_0.00028_long_warmup": [
     "--exchange",
     "all_gather",
     "--exchange-fraction",
@@ -538,8 +539,6 @@ CONFIGS = {
     "compact",
     "--exchange-values",
     "bfloat16",
-    "--exchange-warmup-steps",
-    "25",
   ],
 }
 
@@ -547,13 +546,53 @@ CONFIGS = {
 #: about 3% of each example's default steps per stage).
 WARMUP = {"resnet": 10, "bert": 20}
 
+#: Configs whose warm-up stages are longer than WARMUP's: DGC tunes the
+#: warm-up to the run (its four stages then take a third of the ResNet run).
+WARMUP_SCALE = {"all_gather_compact_bf16_0.00028_long_warmup": 2.5}
+
 TASKS = {"resnet": "examples.resnet_cifar10", "bert": "examples.bert_mlm"}
+
+#: The GRID label (parts 1-2: bytes, step time) of each config's exchange.
+GRID_OF = {
+  "dense": "dense",
+  "shared_replicated_bf16_0.0035": "shared_support replicated bf16 f=0.0035",
+  "shared_replicated_bf16_c1_0.0038": (
+    "shared_support replicated bf16 c=1 f=0.0038"
+  ),
+  "all_gather_compact_bf16_0.0005": "all_gather bf16/compact f=0.0005",
+  "powersgd_r1": "powersgd r=1",
+  "all_gather_compact_bf16_0.00028": "all_gather bf16/compact f=0.00028",
+  "all_gather_compact_bf16_0.00028_long_warmup": (
+    "all_gather bf16/compact f=0.00028"
+  ),
+}
+
+
+@functools.cache
+def _task_shapes(task: str) -> list[tuple[int, ...]]:
+  _, params, _ = {"resnet": resnet_loss, "bert": bert_loss}[task]()
+  return [x.shape for x in jax.tree.leaves(params)]
+
+
+def bytes_ratio(task: str, name: str) -> float:
+  """Modelled ring bytes per device per step of a config over dense's, on
+  the task's parameters (W = 8; equal to the HLO's in part 1's tables).
+  """
+  shapes = _task_shapes(task)
+  kw = dict(GRID)[GRID_OF[name]]
+  dense = modelled_traffic(shapes, {"exchange": "dense"}, (8,))
+  return modelled_traffic(shapes, kw, (8,)) / dense
+
+
+def warmup_steps(task: str, name: str) -> int:
+  """Steps per warm-up stage of a sparse config on ``task``."""
+  return round(WARMUP[task] * WARMUP_SCALE.get(name, 1.0))
 
 
 def config_argv(task: str, name: str) -> list[str]:
   argv = list(CONFIGS[name])
-  if "--exchange-fraction" in argv and "--exchange-warmup-steps" not in argv:
-    argv += ["--exchange-warmup-steps", str(WARMUP[task])]
+  if "--exchange-fraction" in argv:
+    argv += ["--exchange-warmup-steps", str(warmup_steps(task, name))]
   return argv
 
 
@@ -664,6 +703,8 @@ def summarize_runs(runs: dict[str, list[dict[str, Any]]]) -> list[dict]:
         "seeds": sorted(r["seed"] for r in items if r["config"] == name),
         "values": vals,
         "mean": float(np.mean(vals)),
+        "spread": float(np.max(vals) - np.min(vals)),
+        "x_dense_bytes": bytes_ratio(task, name),
         "steps": items[0]["steps"],
         "command": next(r["command"] for r in items if r["config"] == name),
         "wall_time_s": float(
@@ -799,10 +840,14 @@ def markdown(data: dict[str, Any]) -> str:
       "The examples with `--data-parallel` and the exchange's flags, "
       "their defaults otherwise (optimizer grpo, ResNet 300 steps, BERT "
       "600). ResNet: held-out accuracy (mean over the seeds; `vs dense` "
-      "in points x 100); BERT: held-out MLM loss (`vs dense` relative).",
+      "in points x 100); BERT: held-out MLM loss (`vs dense` relative). "
+      "`spread`: largest minus smallest value over the seeds; `x dense "
+      "bytes`: ring bytes per device per step over the dense step's "
+      "(modelled from the payload layout, W = 8).",
       "",
-      "| example | exchange | seeds | values | mean | vs dense | command |",
-      "|---|---|---|---|---|---|---|",
+      "| example | exchange | x dense bytes | seeds | values | mean | "
+      "spread | vs dense | command |",
+      "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in quality:
       vs = r.get("vs_dense")
@@ -815,10 +860,14 @@ def markdown(data: dict[str, Any]) -> str:
           else f"{100 * vs:+.2f}%"
         )
       )
+      ratio = r.get("x_dense_bytes")
       lines.append(
-        f"| {r['task']} | {r['config']} | {r['seeds']} | "
+        f"| {r['task']} | {r['config']} | "
+        + ("—" if ratio is None else f"{ratio:.5f}")
+        + f" | {r['seeds']} | "
         + ", ".join(f"{v:.4f}" for v in r["values"])
-        + f" | {r['mean']:.4f} | {vs} | `{r['command']}` |"
+        + f" | {r['mean']:.4f} | {r.get('spread', 0.0):.4f} | {vs} | "
+        f"`{r['command']}` |"
       )
   return "\n".join(lines) + "\n"
 
