@@ -81,6 +81,12 @@ EXPECTED = {
     "indices": "compact",
     "values": "bfloat16",
   },
+  "all_gather_compact_bf16_0.00045_long_warmup": {
+    "exchange": "all_gather",
+    "fraction": 0.00045,
+    "indices": "compact",
+    "values": "bfloat16",
+  },
 }
 
 GRID_LABEL = communication.GRID_OF
