@@ -527,7 +527,7 @@ CONFIGS = {
   ],
   "powersgd_r1": ["--exchange", "powersgd", "--exchange-rank", "1"],
   # DGC all-gather under 0.2% of the dense bytes (bf16 values, compact
-  # indices; modelled: ResNet 0.193%, BERT 0.13%), with the default warm-up
+  # indices; modelled: ResNet 0.193%, BERT 0.123%), with the default warm-up
   # stages and with stages 2.5x longer (WARMUP_SCALE).
   "all_gather_compact_bf16_0.00028": [
     "--exchange",
