@@ -88,13 +88,49 @@ def fast_compile(markexpr: str, environ=os.environ) -> bool:
   return markexpr.strip() != "slow"
 
 
+def xla_accepts(flags, environ=os.environ) -> bool:
+  """Whether this jaxlib's XLA starts with ``flags`` in XLA_FLAGS.
+
+  XLA aborts the process at backend start on a flag it does not know, and
+  a later jaxlib may drop one of FAST_COMPILE_FLAGS (they are tuning
+  flags): a child process tries them first.
+  """
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  env = {**environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
+  code = "import jax.numpy as jnp; jnp.zeros(2).block_until_ready()"
+  run = subprocess.run(
+    [sys.executable, "-c", code], env=env, capture_output=True, timeout=300
+  )
+  return run.returncode == 0
+
+
+# Set by the first pytest_configure (the xdist controller, or a plain run)
+# to the FAST_COMPILE_FLAGS this jaxlib accepts; the workers inherit it.
+ACCEPTED_ENV = "GRPO_TESTS_FAST_COMPILE_FLAGS"
+
+
+def usable_fast_flags(
+  environ=os.environ, candidates=FAST_COMPILE_FLAGS
+) -> list[str]:
+  """The ``candidates`` this jaxlib accepts (probed once per run)."""
+  if ACCEPTED_ENV in environ:
+    return environ[ACCEPTED_ENV].split()
+  flags = list(candidates)
+  if not xla_accepts(flags, environ):
+    flags = [f for f in candidates if xla_accepts([f], environ)]
+  environ[ACCEPTED_ENV] = " ".join(flags)
+  return flags
+
+
 def pytest_configure(config):
   # Runs before any test module is imported (and so before XLA's backend
   # starts and reads XLA_FLAGS), in the main process and in each xdist worker.
   if fast_compile(config.getoption("markexpr") or ""):
     flags = os.environ.get("XLA_FLAGS", "").split()
     given = {f.split("=")[0] for f in flags}
-    flags += [f for f in FAST_COMPILE_FLAGS if f.split("=")[0] not in given]
+    flags += [f for f in usable_fast_flags() if f.split("=")[0] not in given]
     os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
