@@ -485,6 +485,23 @@ def crossover(
 # --------------------------------------------------------------------------
 # 2. Held-out quality of the examples at equal steps.
 
+
+def _compact_bf16_all_gather(fraction: str) -> list[str]:
+  """Flags of DGC's per-replica top-k all-gather, bf16 values, compact
+  indices, keeping ``fraction`` of each leaf's entries.
+  """
+  return [
+    "--exchange",
+    "all_gather",
+    "--exchange-fraction",
+    fraction,
+    "--exchange-indices",
+    "compact",
+    "--exchange-values",
+    "bfloat16",
+  ]
+
+
 #: The exchanges compared on the examples: name -> flags after
 #: ``--data-parallel`` (the examples' defaults otherwise).
 CONFIGS = {
@@ -515,52 +532,20 @@ CONFIGS = {
     "--exchange-chunk-size",
     "1",
   ],
-  "all_gather_compact_bf16_0.0005": [
-    "--exchange",
-    "all_gather",
-    "--exchange-fraction",
-    "0.0005",
-    "--exchange-indices",
-    "compact",
-    "--exchange-values",
-    "bfloat16",
-  ],
+  "all_gather_compact_bf16_0.0005": _compact_bf16_all_gather("0.0005"),
   "powersgd_r1": ["--exchange", "powersgd", "--exchange-rank", "1"],
   # DGC all-gather under 0.2% of the dense bytes (bf16 values, compact
   # indices; modelled: ResNet 0.193%, BERT 0.123%), with the default warm-up
   # stages and with stages 2.5x longer (WARMUP_SCALE).
-  "all_gather_compact_bf16_0.00028": [
-    "--exchange",
-    "all_gather",
-    "--exchange-fraction",
-    "0.00028",
-    "--exchange-indices",
-    "compact",
-    "--exchange-values",
-    "bfloat16",
-  ],
-  "all_gather_compact_bf16_0.00028_long_warmup": [
-    "--exchange",
-    "all_gather",
-    "--exchange-fraction",
-    "0.00028",
-    "--exchange-indices",
-    "compact",
-    "--exchange-values",
-    "bfloat16",
-  ],
+  "all_gather_compact_bf16_0.00028": _compact_bf16_all_gather("0.00028"),
+  "all_gather_compact_bf16_0.00028_long_warmup": _compact_bf16_all_gather(
+    "0.00028"
+  ),
   # BERT's 38 leaves allow more per leaf under 0.2%: 0.190% (ResNet's
   # 65 leaves: 0.26%).
-  "all_gather_compact_bf16_0.00045_long_warmup": [
-    "--exchange",
-    "all_gather",
-    "--exchange-fraction",
-    "0.00045",
-    "--exchange-indices",
-    "compact",
-    "--exchange-values",
-    "bfloat16",
-  ],
+  "all_gather_compact_bf16_0.00045_long_warmup": _compact_bf16_all_gather(
+    "0.00045"
+  ),
 }
 
 #: Steps per warm-up stage (DGC: one epoch per stage of the four; here
