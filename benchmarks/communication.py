@@ -561,6 +561,10 @@ WARMUP_SCALE = {
 
 TASKS = {"resnet": "examples.resnet_cifar10", "bert": "examples.bert_mlm"}
 
+#: The examples' default number of steps (their cosine schedules span the
+#: run); WARMUP is set for these, and scales with ``--steps``.
+DEFAULT_STEPS = {"resnet": 300, "bert": 600}
+
 #: The GRID label (parts 1-2: bytes, step time) of each config's exchange.
 GRID_OF = {
   "dense": "dense",
@@ -596,19 +600,27 @@ def bytes_ratio(task: str, name: str) -> float:
   return modelled_traffic(shapes, kw, (8,)) / dense
 
 
-def warmup_steps(task: str, name: str) -> int:
-  """Steps per warm-up stage of a sparse config on ``task``."""
-  return round(WARMUP[task] * WARMUP_SCALE.get(name, 1.0))
+def warmup_steps(task: str, name: str, steps: int | None = None) -> int:
+  """Steps per warm-up stage of a sparse config on ``task``: the same
+  fraction of a run of ``steps`` (default: the example's) as of the
+  example's default run.
+  """
+  scale = (steps or DEFAULT_STEPS[task]) / DEFAULT_STEPS[task]
+  return round(WARMUP[task] * WARMUP_SCALE.get(name, 1.0) * scale)
 
 
-def config_argv(task: str, name: str) -> list[str]:
+def config_argv(task: str, name: str, steps: int | None = None) -> list[str]:
   argv = list(CONFIGS[name])
   if "--exchange-fraction" in argv:
-    argv += ["--exchange-warmup-steps", str(warmup_steps(task, name))]
+    argv += ["--exchange-warmup-steps", str(warmup_steps(task, name, steps))]
+  if steps is not None:
+    argv += ["--steps", str(steps)]
   return argv
 
 
-def run_example(task: str, name: str, seed: int, extra_argv=()):
+def run_example(
+  task: str, name: str, seed: int, extra_argv=(), steps: int | None = None
+):
   """One run of an example: held-out metrics, step times, the command."""
   import importlib
 
@@ -616,7 +628,7 @@ def run_example(task: str, name: str, seed: int, extra_argv=()):
   train_mod = importlib.import_module(TASKS[task] + ".train")
   argv = [
     "--data-parallel",
-    *config_argv(task, name),
+    *config_argv(task, name, steps),
     "--seed",
     str(seed),
     "--quiet",
@@ -643,7 +655,12 @@ def run_example(task: str, name: str, seed: int, extra_argv=()):
 
 
 def run_queue(
-  task: str, names: list[str], seeds: list[int], path: str, extra_argv=()
+  task: str,
+  names: list[str],
+  seeds: list[int],
+  path: str,
+  extra_argv=(),
+  steps: int | None = None,
 ) -> list[dict[str, Any]]:
   """Runs every (seed, config) not yet in ``path``, saving after each."""
   done = []
@@ -656,7 +673,7 @@ def run_queue(
       if (name, seed) in have:
         continue
       try:
-        row = run_example(task, name, seed, extra_argv)
+        row = run_example(task, name, seed, extra_argv, steps)
       except Exception as e:  # pylint: disable=broad-except
         row = {"task": task, "config": name, "seed": seed, "error": repr(e)}
       done.append(row)
@@ -699,36 +716,39 @@ def load_runs(runs_dir: str | None) -> dict[str, list[dict[str, Any]]]:
 
 
 def summarize_runs(runs: dict[str, list[dict[str, Any]]]) -> list[dict]:
-  """Per task and config: mean (and spread) of the held-out metric."""
+  """Per task, run length and config: mean (and spread) of the held-out
+  metric, against dense's at the same number of steps.
+  """
   rows = []
-  for task, items in runs.items():
+  for task, all_items in runs.items():
     key = "eval_accuracy" if task == "resnet" else "eval_loss"
-    dense = [r[key] for r in items if r["config"] == "dense"]
-    for name in CONFIGS:
-      vals = [r[key] for r in items if r["config"] == name]
-      if not vals:
-        continue
-      row = {
-        "task": task,
-        "config": name,
-        "metric": key,
-        "seeds": sorted(r["seed"] for r in items if r["config"] == name),
-        "values": vals,
-        "mean": float(np.mean(vals)),
-        "spread": float(np.max(vals) - np.min(vals)),
-        "x_dense_bytes": bytes_ratio(task, name),
-        "steps": items[0]["steps"],
-        "command": next(r["command"] for r in items if r["config"] == name),
-        "wall_time_s": float(
-          np.mean([r["wall_time_s"] for r in items if r["config"] == name])
-        ),
-      }
-      if dense and name != "dense":
-        d = float(np.mean(dense))
-        row["vs_dense"] = (
-          row["mean"] - d if task == "resnet" else row["mean"] / d - 1
-        )
-      rows.append(row)
+    for steps in sorted({r["steps"] for r in all_items}):
+      items = [r for r in all_items if r["steps"] == steps]
+      dense = [r[key] for r in items if r["config"] == "dense"]
+      for name in CONFIGS:
+        mine = [r for r in items if r["config"] == name]
+        if not mine:
+          continue
+        vals = [r[key] for r in mine]
+        row = {
+          "task": task,
+          "config": name,
+          "metric": key,
+          "seeds": sorted(r["seed"] for r in mine),
+          "values": vals,
+          "mean": float(np.mean(vals)),
+          "spread": float(np.max(vals) - np.min(vals)),
+          "x_dense_bytes": bytes_ratio(task, name),
+          "steps": steps,
+          "command": mine[0]["command"],
+          "wall_time_s": float(np.mean([r["wall_time_s"] for r in mine])),
+        }
+        if dense and name != "dense":
+          d = float(np.mean(dense))
+          row["vs_dense"] = (
+            row["mean"] - d if task == "resnet" else row["mean"] / d - 1
+          )
+        rows.append(row)
   return rows
 
 
@@ -857,9 +877,9 @@ def markdown(data: dict[str, Any]) -> str:
       "bytes`: ring bytes per device per step over the dense step's "
       "(modelled from the payload layout, W = 8).",
       "",
-      "| example | exchange | x dense bytes | seeds | values | mean | "
-      "spread | vs dense | command |",
-      "|---|---|---|---|---|---|---|---|---|",
+      "| example | steps | exchange | x dense bytes | seeds | values | "
+      "mean | spread | vs dense | command |",
+      "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in quality:
       vs = r.get("vs_dense")
@@ -874,7 +894,7 @@ def markdown(data: dict[str, Any]) -> str:
       )
       ratio = r.get("x_dense_bytes")
       lines.append(
-        f"| {r['task']} | {r['config']} | "
+        f"| {r['task']} | {r['steps']} | {r['config']} | "
         + ("—" if ratio is None else f"{ratio:.5f}")
         + f" | {r['seeds']} | "
         + ", ".join(f"{v:.4f}" for v in r["values"])
@@ -976,6 +996,13 @@ def main(argv=None) -> dict[str, Any]:
   parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
   parser.add_argument("--seeds", nargs="+", type=int, default=[0])
   parser.add_argument(
+    "--steps",
+    type=int,
+    default=None,
+    help="With --queue: steps per run (default: the example's); the "
+    "warm-up stages scale with it, the runs go to <task>_<steps>.json.",
+  )
+  parser.add_argument(
     "--reuse",
     action="store_true",
     help="Keep the bytes and step times of --out's "
@@ -993,7 +1020,13 @@ def main(argv=None) -> dict[str, Any]:
       args.queue,
       args.configs,
       args.seeds,
-      os.path.join(args.runs, f"{args.queue}.json"),
+      os.path.join(
+        args.runs,
+        f"{args.queue}.json"
+        if args.steps is None
+        else f"{args.queue}_{args.steps}.json",
+      ),
+      steps=args.steps,
     )
   tick = time.time()
   path = os.path.join(args.out, "communication.json")

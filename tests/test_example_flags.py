@@ -156,6 +156,22 @@ def test_benchmark_configs_parse_to_the_named_exchange(task, name):
 
 
 @pytest.mark.parametrize("task", sorted(communication.TASKS))
+def test_longer_runs_scale_the_warm_up_with_the_steps(task):
+  name = "all_gather_compact_bf16_0.00028_long_warmup"
+  steps = 3 * communication.DEFAULT_STEPS[task]
+  args = MAINS[task].parse_args(
+    ["--data-parallel", *communication.config_argv(task, name, steps)]
+  )
+  assert args.steps == steps
+  ex = parallel.exchange_of(args)
+  assert ex.warmup_steps == round(communication.WARMUP[task] * 2.5 * 3)
+  # Dense takes the steps and no warm-up flag.
+  dense = communication.config_argv(task, "dense", steps)
+  assert dense[-2:] == ["--steps", str(steps)]
+  assert "--exchange-warmup-steps" not in dense
+
+
+@pytest.mark.parametrize("task", sorted(communication.TASKS))
 def test_unset_flags_keep_the_defaults(task):
   for exchange in training.EXCHANGES:
     args = MAINS[task].parse_args(["--data-parallel", "--exchange", exchange])
