@@ -74,6 +74,25 @@ def _leaf_sums(arrays: list[jax.Array]) -> list[jax.Array]:
   )
 
 
+#: Leaves of at most this many entries have their norm summed together
+#: with the other small leaves of their shape (see :func:`norm_with_l2`).
+SMALL_LEAF = 16384
+
+
+def _sq_sums(g, p, l2) -> jax.Array:
+  """``|g|^2 + 2 l2 <g, p> + l2^2 |p|^2`` summed over every entry
+  (``p=None``: ``|g|^2``).
+  """
+  g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+  if p is None:
+    return _leaf_sums([_common.abs_sq(g)])[0]
+  p = jnp.asarray(p).astype(g.dtype)
+  gg, gp, pp = _leaf_sums(
+    [_common.abs_sq(g), jnp.real(g * jnp.conj(p)), _common.abs_sq(p)]
+  )
+  return gg + 2 * l2 * gp + l2 * l2 * pp
+
+
 def norm_with_l2(
   g_leaves: list[jax.Array], p_leaves: list[Any] | None, l2: Any
 ) -> jax.Array:
@@ -83,20 +102,43 @@ def norm_with_l2(
   reduction reads arrays already in memory, so ``g + l2 p`` is never
   materialised for its norm (on CPU that temporary costs more than the
   whole update).
+
+  Small leaves (at most :data:`SMALL_LEAF` entries: biases, norm scales) of
+  equal shape, dtype and sharding are stacked and reduced together. XLA:CPU
+  compiles the sum of a small vector as three kernels (a square, a windowed
+  partial sum, a final sum) where a large leaf's is one, so per-leaf sums of
+  a transformer's biases and norm scales were half of the kernels of the
+  update (720 of 2,018 on 384 leaves). The stack copies only these small
+  leaves, along a new leading axis, so each keeps its own sharding.
   """
   per_leaf = []
+  groups: dict[Any, list[int]] = {}
   for i, g in enumerate(g_leaves):
     if g.size == 0:
       continue
-    g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
-    if p_leaves is None:
-      per_leaf.append(_leaf_sums([_common.abs_sq(g)])[0])
+    if g.size <= SMALL_LEAF:
+      key = (g.shape, jnp.dtype(g.dtype), _common.explicit_spec(g))
+      groups.setdefault(key, []).append(i)
+    else:
+      per_leaf.append(
+        _sq_sums(g, None if p_leaves is None else p_leaves[i], l2)
+      )
+  for idx in groups.values():
+    if len(idx) == 1:
+      i = idx[0]
+      per_leaf.append(
+        _sq_sums(g_leaves[i], None if p_leaves is None else p_leaves[i], l2)
+      )
       continue
-    p = jnp.asarray(p_leaves[i]).astype(g.dtype)
-    gg, gp, pp = _leaf_sums(
-      [_common.abs_sq(g), jnp.real(g * jnp.conj(p)), _common.abs_sq(p)]
+    g = jnp.stack([g_leaves[i] for i in idx])
+    p = (
+      None
+      if p_leaves is None
+      else jnp.stack(
+        [jnp.asarray(p_leaves[i]).astype(g.dtype) for i in idx]
+      )
     )
-    per_leaf.append(gg + 2 * l2 * gp + l2 * l2 * pp)
+    per_leaf.append(_sq_sums(g, p, l2))
   return jnp.sqrt(jnp.maximum(_common.total(per_leaf), 0.0))
 
 

@@ -83,3 +83,30 @@ def test_distinct_fused_computations_do_not_grow_with_the_leaves(mode):
     f"{mode}: {small} distinct fused computations with 18 leaves, {large} "
     "with 36: some kernel is compiled once per leaf"
   )
+
+
+def _fusions(tx, n_layers: int) -> int:
+  params = _tree(n_layers)
+  state = tx.init(params)
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  compiled = (
+    jax.jit(step, donate_argnums=(0, 1))
+    .lower(params, state, params)
+    .compile(compiler_options=USER_DEFAULT)
+  )
+  return hlo.fused_computations(compiled)["fusions"]
+
+
+def test_the_clipping_norm_adds_no_kernel_per_small_leaf():
+  # Every fused computation counts here, equal or not: XLA:CPU compiles each
+  # instance. Dense grpo() per leaf: the two moments and the apply, like
+  # Adam; the norm of the small leaves (all of _LAYER's) is one reduction
+  # per shape, not a square, a windowed sum and a sum per leaf (which was
+  # 76 kernels per 2 layers against Adam's 54).
+  adam = _fusions(optax.adam(1e-3), 4) - _fusions(optax.adam(1e-3), 2)
+  dense = _fusions(MODES["dense"](), 4) - _fusions(MODES["dense"](), 2)
+  assert dense <= adam + 2, (dense, adam)
