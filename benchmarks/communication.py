@@ -548,6 +548,39 @@ CONFIGS = {
   ),
 }
 
+#: Local steps (DiLoCo, the examples' ``--local-steps``): name -> (H, the
+#: outer exchange's flags, the ``local_steps.json`` program whose
+#: HLO-measured bytes per round it sends). Evaluations fall on outer steps:
+#: every 576 steps (a multiple of each H).
+LOCAL = {
+  f"local_h{h}_{outer}": (h, flags, program)
+  for h in (4, 16, 64)
+  for outer, flags, program in (
+    ("dense", ["--exchange", "dense"], "local_steps_step, dense float outer"),
+    (
+      "int8_shared_0.1",
+      [
+        "--exchange",
+        "shared_support",
+        "--exchange-fraction",
+        "0.1",
+        "--exchange-chunk-size",
+        "512",
+        "--outer-quantize",
+        "int8",
+      ],
+      "local_steps_step, int8 shared_support f=0.1 chunk=512",
+    ),
+  )
+}
+LOCAL_EVAL_EVERY = 576
+CONFIGS.update(
+  {
+    name: ["--local-steps", str(h), *flags, "--eval-every", str(LOCAL_EVAL_EVERY)]
+    for name, (h, flags, _) in LOCAL.items()
+  }
+)
+
 #: Steps per warm-up stage (DGC: one epoch per stage of the four; here
 #: about 3% of each example's default steps per stage).
 WARMUP = {"resnet": 10, "bert": 20}
@@ -590,10 +623,31 @@ def _task_shapes(task: str) -> list[tuple[int, ...]]:
   return [x.shape for x in jax.tree.leaves(params)]
 
 
-def bytes_ratio(task: str, name: str) -> float:
-  """Modelled ring bytes per device per step of a config over dense's, on
-  the task's parameters (W = 8; equal to the HLO's in part 1's tables).
+def local_round_ratios(path: str) -> dict[str, float]:
+  """Ring bytes of one local-steps round over a dense step's, per outer
+  program, from ``benchmarks.local_steps``' HLO measurement (BERT).
   """
+  with open(path) as f:
+    rows = json.load(f)["bytes"]["rows"]
+  return {
+    r["program"]: r["ratio_to_dense_dp"] * r["local_steps"] for r in rows
+  }
+
+
+LOCAL_BYTES = os.path.join(os.path.dirname(__file__), "results", "local_steps.json")
+
+
+def bytes_ratio(task: str, name: str) -> float | None:
+  """Ring bytes per device per step of a config over dense's, on the task's
+  parameters (W = 8): modelled from the payload layout (equal to the HLO's
+  in part 1's tables); for local steps, the HLO-measured bytes of a round
+  (``benchmarks.local_steps``, BERT only) over its H inner steps.
+  """
+  if name in LOCAL:
+    h, _, program = LOCAL[name]
+    if task != "bert" or not os.path.exists(LOCAL_BYTES):
+      return None
+    return local_round_ratios(LOCAL_BYTES)[program] / h
   shapes = _task_shapes(task)
   kw = dict(GRID)[GRID_OF[name]]
   dense = modelled_traffic(shapes, {"exchange": "dense"}, (8,))
@@ -611,7 +665,7 @@ def warmup_steps(task: str, name: str, steps: int | None = None) -> int:
 
 def config_argv(task: str, name: str, steps: int | None = None) -> list[str]:
   argv = list(CONFIGS[name])
-  if "--exchange-fraction" in argv:
+  if "--exchange-fraction" in argv and name not in LOCAL:
     argv += ["--exchange-warmup-steps", str(warmup_steps(task, name, steps))]
   if steps is not None:
     argv += ["--steps", str(steps)]

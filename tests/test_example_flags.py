@@ -23,7 +23,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from benchmarks import communication
+from benchmarks import communication, local_steps
 from examples.bert_mlm import main as bert_main
 from examples.common import parallel
 from examples.common import workdir as workdir_lib
@@ -93,7 +93,8 @@ GRID_LABEL = communication.GRID_OF
 
 
 def test_expectations_cover_every_config():
-  assert set(EXPECTED) == set(communication.CONFIGS) == set(GRID_LABEL)
+  exchanges = set(communication.CONFIGS) - set(communication.LOCAL)
+  assert set(EXPECTED) == exchanges == set(GRID_LABEL)
 
 
 def _options(ex):
@@ -111,7 +112,7 @@ def _runtime(ex):
   )
 
 
-@pytest.mark.parametrize("name", sorted(communication.CONFIGS))
+@pytest.mark.parametrize("name", sorted(EXPECTED))
 @pytest.mark.parametrize("task", sorted(communication.TASKS))
 def test_benchmark_configs_parse_to_the_named_exchange(task, name):
   argv = ["--data-parallel", *communication.config_argv(task, name)]
@@ -153,6 +154,33 @@ def test_benchmark_configs_parse_to_the_named_exchange(task, name):
   info = parallel.describe(args, _runtime(ex))
   for key in ("values", "indices", "support", "rank", "warmup_steps"):
     assert info.get(key, DEFAULTS[key]) == want[key]
+
+
+@pytest.mark.parametrize("name", sorted(communication.LOCAL))
+def test_local_step_configs_run_the_measured_outer_exchange(name):
+  h, _, program = communication.LOCAL[name]
+  args = MAINS["bert"].parse_args(
+    ["--data-parallel", *communication.config_argv("bert", name, 1800)]
+  )
+  assert args.local_steps == h
+  assert args.eval_every % h == 0
+  ex = parallel.exchange_of(args)
+  assert ex.warmup_steps == 0  # No DGC warm-up on the outer exchange.
+  # The outer exchange is the one whose round bytes local_steps.py measured.
+  if "int8" in program:
+    assert args.outer_quantize == "int8"
+    assert ex.name == "int8"
+    opts = ex.options()
+    assert (opts["fraction"], opts["chunk_size"]) == (
+      local_steps.FRACTION,
+      local_steps.CHUNK,
+    )
+  else:
+    assert args.outer_quantize == "none" and ex.name == "dense"
+  ratio = communication.bytes_ratio("bert", name)
+  round_ratio = communication.local_round_ratios(communication.LOCAL_BYTES)
+  assert ratio == pytest.approx(round_ratio[program] / h)
+  assert communication.bytes_ratio("resnet", name) is None
 
 
 @pytest.mark.parametrize("task", sorted(communication.TASKS))
