@@ -466,17 +466,24 @@ def _round_bf16_stochastic(x: jax.Array, bits: jax.Array) -> jax.Array:
   Adds a uniform 16-bit integer (the low half of ``bits``) to the low half
   of the float32 bits and truncates: ``x`` between two bf16 neighbours
   ``a < x < b`` becomes ``b`` with probability ``(x - a) / (b - a)``.
-  Non-finite entries round to nearest.
+  Infinities stay infinite (their low half is 0, so the noise never
+  reaches the exponent); NaN stays NaN.
   """
   x = x.astype(jnp.float32)
   word = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  noise = bits & np.uint32(0xFFFF)
-  # The upper half of the rounded word is the bf16 itself: built as bf16
-  # bits, so that XLA keeps the 2-byte result (the stored state) in memory,
-  # not a float32 copy of it.
-  high = ((word + noise) >> np.uint32(16)).astype(jnp.uint16)
-  out = jax.lax.bitcast_convert_type(high, jnp.bfloat16)
-  return jnp.where(jnp.isfinite(x), out, x.astype(jnp.bfloat16))
+  rounded = (word + (bits & np.uint32(0xFFFF))) & np.uint32(0xFFFF0000)
+  nan = (word & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+  rounded = jax.lax.select(nan, jnp.full_like(word, 0x7FC00000), rounded)
+  # The rounded float32 is a bf16 value, so the final cast is exact. It is
+  # the one step that makes the 2-byte array: XLA:CPU counts a float32 ->
+  # bf16 conversion as expensive and does not recompute it in each reader,
+  # so the readers read the stored bf16 (and widen it, which is free);
+  # written as a bit cast of the upper half instead, the whole rounding is
+  # recomputed in every reader, and a select between bf16 values has XLA
+  # keep a float32 copy of the array in memory for them.
+  return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(
+    jnp.bfloat16
+  )
 
 
 def encode(
