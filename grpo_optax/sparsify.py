@@ -244,6 +244,7 @@ def store_accumulator(
       value,
       bits=_common.hash_bits(a.shape, word),
       scale=None if bounds is None else bounds[i],
+      read_back=True,  # the mask and the update read the stored value
     )
     if fmt.blocked:
       new_stored.append(enc.codes)
