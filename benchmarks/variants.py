@@ -43,3 +43,18 @@ EIGHT_BIT = {
     nu_format=quantization.state_format("uint8", min_size=0),
   ),
 }
+
+#: The error-feedback accumulator in bf16 with stochastic rounding, for
+#: top-k and the EMA threshold (issue "the update at large-model scale",
+#: part 4: fewer bytes per step): ``python -m benchmarks.convergence
+#: --optimizers adam,grpo --factory benchmarks.variants:ACCUMULATOR --seeds
+#: 2 --out benchmarks/results/accumulator``.
+ACCUMULATOR = {
+  "grpo_acc_bf16": lambda lr: grpo_optax.grpo(
+    lr, accumulator_format="bfloat16_sr"
+  ),
+  "grpo_threshold": lambda lr: grpo_optax.grpo(lr, sparsify="threshold"),
+  "grpo_threshold_acc_bf16": lambda lr: grpo_optax.grpo(
+    lr, sparsify="threshold", accumulator_format="bfloat16_sr"
+  ),
+}
