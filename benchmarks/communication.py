@@ -161,6 +161,7 @@ GRID = (
     ),
   ),
   ("powersgd r=1", dict(exchange="powersgd", rank=1)),
+  ("powersgd r=2", dict(exchange="powersgd", rank=2)),
   ("powersgd r=4", dict(exchange="powersgd", rank=4)),
   ("powersgd r=1 bf16", dict(exchange="powersgd", rank=1, values="bfloat16")),
 )
@@ -534,6 +535,8 @@ CONFIGS = {
   ],
   "all_gather_compact_bf16_0.0005": _compact_bf16_all_gather("0.0005"),
   "powersgd_r1": ["--exchange", "powersgd", "--exchange-rank", "1"],
+  "powersgd_r2": ["--exchange", "powersgd", "--exchange-rank", "2"],
+  "powersgd_r4": ["--exchange", "powersgd", "--exchange-rank", "4"],
   # DGC all-gather under 0.2% of the dense bytes (bf16 values, compact
   # indices; modelled: ResNet 0.193%, BERT 0.123%), with the default warm-up
   # stages and with stages 2.5x longer (WARMUP_SCALE).
@@ -607,6 +610,8 @@ GRID_OF = {
   ),
   "all_gather_compact_bf16_0.0005": "all_gather bf16/compact f=0.0005",
   "powersgd_r1": "powersgd r=1",
+  "powersgd_r2": "powersgd r=2",
+  "powersgd_r4": "powersgd r=4",
   "all_gather_compact_bf16_0.00028": "all_gather bf16/compact f=0.00028",
   "all_gather_compact_bf16_0.00028_long_warmup": (
     "all_gather bf16/compact f=0.00028"

@@ -69,6 +69,8 @@ EXPECTED = {
     "values": "bfloat16",
   },
   "powersgd_r1": {"exchange": "powersgd", "rank": 1},
+  "powersgd_r2": {"exchange": "powersgd", "rank": 2},
+  "powersgd_r4": {"exchange": "powersgd", "rank": 4},
   "all_gather_compact_bf16_0.00028": {
     "exchange": "all_gather",
     "fraction": 0.00028,
