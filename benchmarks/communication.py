@@ -579,7 +579,13 @@ LOCAL = {
 LOCAL_EVAL_EVERY = 576
 CONFIGS.update(
   {
-    name: ["--local-steps", str(h), *flags, "--eval-every", str(LOCAL_EVAL_EVERY)]
+    name: [
+      "--local-steps",
+      str(h),
+      *flags,
+      "--eval-every",
+      str(LOCAL_EVAL_EVERY),
+    ]
     for name, (h, flags, _) in LOCAL.items()
   }
 )
@@ -634,12 +640,12 @@ def local_round_ratios(path: str) -> dict[str, float]:
   """
   with open(path) as f:
     rows = json.load(f)["bytes"]["rows"]
-  return {
-    r["program"]: r["ratio_to_dense_dp"] * r["local_steps"] for r in rows
-  }
+  return {r["program"]: r["ratio_to_dense_dp"] * r["local_steps"] for r in rows}
 
 
-LOCAL_BYTES = os.path.join(os.path.dirname(__file__), "results", "local_steps.json")
+LOCAL_BYTES = os.path.join(
+  os.path.dirname(__file__), "results", "local_steps.json"
+)
 
 
 def bytes_ratio(task: str, name: str) -> float | None:

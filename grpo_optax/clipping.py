@@ -134,9 +134,7 @@ def norm_with_l2(
     p = (
       None
       if p_leaves is None
-      else jnp.stack(
-        [jnp.asarray(p_leaves[i]).astype(g.dtype) for i in idx]
-      )
+      else jnp.stack([jnp.asarray(p_leaves[i]).astype(g.dtype) for i in idx])
     )
     per_leaf.append(_sq_sums(g, p, l2))
   return jnp.sqrt(jnp.maximum(_common.total(per_leaf), 0.0))

@@ -487,9 +487,7 @@ def _round_bf16_stochastic(x: jax.Array, bits: jax.Array) -> jax.Array:
   # written as a bit cast of the upper half instead, the whole rounding is
   # recomputed in every reader, and a select between bf16 values has XLA
   # keep a float32 copy of the array in memory for them.
-  return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(
-    jnp.bfloat16
-  )
+  return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
 
 
 def encode(

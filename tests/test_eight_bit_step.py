@@ -142,9 +142,7 @@ def test_bf16_accumulator_keeps_no_float32_copy(sparsify):
     grpo_optax.grpo(1e-3, sparsify=sparsify), params
   )
   bf16 = _temp_bytes_per_param(
-    grpo_optax.grpo(
-      1e-3, sparsify=sparsify, accumulator_format="bfloat16_sr"
-    ),
+    grpo_optax.grpo(1e-3, sparsify=sparsify, accumulator_format="bfloat16_sr"),
     params,
   )
   assert bf16 <= plain + 0.1, (bf16, plain)

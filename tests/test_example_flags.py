@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import os
 import pathlib
+import re
 import shutil
 
 import jax
@@ -23,8 +24,10 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from benchmarks import communication, local_steps
+from benchmarks import communication
+from benchmarks import local_steps
 from examples.bert_mlm import main as bert_main
+from examples.common import outer_steps
 from examples.common import parallel
 from examples.common import workdir as workdir_lib
 from examples.resnet_cifar10 import main as resnet_main
@@ -429,3 +432,48 @@ def test_parallel_module_is_flags_and_wiring():
   assert len(source.splitlines()) <= 250
   for own_step in ("shard_map", "pmean", "psum", "pcast", "sparse_pmean"):
     assert own_step not in source, own_step
+
+
+@pytest.mark.parametrize("task", sorted(communication.TASKS))
+def test_outer_absent_draws_one_mask_per_round(task):
+  argv = ["--data-parallel", "--local-steps", "4", "--outer-absent", "0.15"]
+  argv += ["--eval-every", "100"]
+  args = MAINS[task].parse_args(argv + ["--seed", "3"])
+  masks = [outer_steps.participation(args, done, 8) for done in range(1, 4001)]
+  # One mask per round of 4 steps, the same on every step of the round.
+  for r in range(1000):
+    for m in masks[4 * r + 1 : 4 * r + 4]:
+      np.testing.assert_array_equal(m, masks[4 * r])
+  rounds = np.stack(masks[::4])
+  assert rounds.shape == (1000, 8)
+  assert set(np.unique(rounds)) <= {0.0, 1.0}
+  assert abs((1 - rounds.mean()) - 0.15) < 0.02  # 8,000 draws
+  # Seeded: the same seed draws the same masks, another seed others.
+  again = MAINS[task].parse_args(argv + ["--seed", "3"])
+  other = MAINS[task].parse_args(argv + ["--seed", "4"])
+  np.testing.assert_array_equal(
+    outer_steps.participation(again, 9, 8), masks[8]
+  )
+  assert any(
+    not np.array_equal(outer_steps.participation(other, d, 8), masks[d - 1])
+    for d in range(1, 400, 4)
+  )
+  # Off: no mask (every replica reports).
+  plain = MAINS[task].parse_args(argv[:3] + ["--eval-every", "100"])
+  assert outer_steps.participation(plain, 1, 8) is None
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["--data-parallel", "--outer-absent", "0.1"], "needs --local-steps"),
+    (
+      ["--data-parallel", "--local-steps", "4", "--outer-absent", "1.0"],
+      r"--outer-absent must be in \[0, 1\), got 1.0",
+    ),
+  ],
+)
+def test_outer_absent_is_checked(argv, message, capsys):
+  with pytest.raises(SystemExit):
+    MAINS["bert"].parse_args(argv)
+  assert re.search(message, capsys.readouterr().err)

@@ -21,6 +21,7 @@ import jax
 from flax import nnx
 
 from examples.common import cli
+from examples.common import outer_steps
 from examples.common import processes
 from grpo_optax import training
 from grpo_optax.training import compressors
@@ -42,6 +43,13 @@ _FLAGS = {
     choices=("none", "int8"),
     default="none",
     help="Payload of the outer exchange (--local-steps): float or int8.",
+  ),
+  "--outer-absent": dict(
+    type=float,
+    default=0.0,
+    help="Local steps: probability that a replica misses an outer step "
+    "(its round's work is dropped; it rejoins from the new outer "
+    "parameters), drawn per replica and round from --seed.",
   ),
 }
 
@@ -104,10 +112,15 @@ def check_parallel_args(
   given = given_options(args)
   for flag in ["--exchange", "--local-steps", *(_flag(n) for n in given)]:
     cli.refuse_unless(parser, flag, args.data_parallel, "--data-parallel")
-  for flag in ("--outer-lr", "--outer-momentum", "--outer-quantize"):
+  for flag in (
+    "--outer-lr",
+    "--outer-momentum",
+    "--outer-quantize",
+    "--outer-absent",
+  ):
     cli.refuse_unless(parser, flag, args.local_steps > 0, "--local-steps")
   args.exchange = args.exchange or "dense"
-  for error in processes.errors(args) + _local_step_errors(args):
+  for error in processes.errors(args) + outer_steps.errors(args):
     parser.error(error)
   name, specs = _compressor(args), option_specs()
   for opt, value in given.items():
@@ -128,34 +141,6 @@ def check_parallel_args(
     exchange_of(args)
   except (TypeError, ValueError) as e:
     parser.error(f"invalid --exchange flags: {e}")
-
-
-def _local_step_errors(args: argparse.Namespace) -> list[str]:
-  h = args.local_steps
-  if h < 0:
-    return [f"--local-steps must be >= 0, got {h}"]
-  if not h:
-    return []
-  errors = []
-  if not args.outer_lr > 0:
-    errors.append(f"--outer-lr must be > 0, got {args.outer_lr}")
-  if not 0 <= args.outer_momentum < 1:
-    errors.append(
-      f"--outer-momentum must be in [0, 1), got {args.outer_momentum}"
-    )
-  int8 = args.outer_quantize == "int8"
-  if int8 and args.exchange not in training.INT8_OUTER:
-    errors.append(
-      "--outer-quantize int8 needs --exchange dense or shared_support"
-    )
-  for name in ("eval_every", "checkpoint_every"):
-    if getattr(args, name) % h:
-      errors.append(
-        f"--{name.replace('_', '-')} must be a multiple of --local-steps {h} "
-        f"(evaluations and checkpoints fall on outer steps), got "
-        f"{getattr(args, name)}"
-      )
-  return errors
 
 
 def exchange_of(args: argparse.Namespace) -> training.Exchange:
@@ -201,7 +186,9 @@ def train_step(dp, state, batch, done: int, args: argparse.Namespace):
   """Step ``done`` (1-based): ``(state, metrics)``; with local steps the
   last step of a partial round also runs the outer step.
   """
-  state, out = dp.step(state, batch)
+  state, out = dp.step(
+    state, batch, outer_steps.participation(args, done, dp.num_replicas)
+  )
   if dp.local_steps and done == args.steps and done % dp.local_steps:
     state = dp.sync(state)
   return state, {"loss": out.loss, **out.aux, **out.norms}
@@ -240,6 +227,7 @@ def describe(args: argparse.Namespace, dp) -> dict[str, Any]:
       outer_lr=args.outer_lr,
       outer_momentum=args.outer_momentum,
       outer_quantize=None if args.outer_quantize == "none" else "int8",
+      outer_absent=args.outer_absent,
       chunk_size=config.get("chunk_size", specs["chunk_size"].default),
     )
   skip = ("fraction", "chunk_size")
