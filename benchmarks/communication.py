@@ -183,6 +183,26 @@ TIMED = (
   "shared_support replicated bf16 c=1 f=0.0038",
   "powersgd r=1",
 )
+#: The exchanges timed for the frontier's break-even table, per model.
+FRONTIER_TIMED = {
+  "resnet": (
+    "dense",
+    "all_gather bf16/compact f=0.00028",
+    "all_gather bf16/compact f=0.0005",
+    "shared_support replicated bf16 f=0.0035",
+    "powersgd r=1",
+    "powersgd r=2",
+    "powersgd r=4",
+  ),
+  "bert": (
+    "dense",
+    "all_gather bf16/compact f=0.00028",
+    "all_gather bf16/compact f=0.00045",
+    "powersgd r=1",
+    "powersgd r=2",
+    "powersgd r=4",
+  ),
+}
 #: Link bandwidths of the crossover table, Gbit/s.
 LINKS = (10, 25, 100)
 CHUNK = 64
@@ -421,18 +441,22 @@ def measure_bytes(
 
 
 def measure_step_time(
-  loss_fn, params, labels=TIMED, rounds: int = 3, steps: int = 10
+  loss_fn, params, labels=TIMED, rounds: int = 3, steps: int = 10, batch=None
 ):
-  """Median seconds per compiled step (ResNet, W = 8, batch 64), the
+  """Median seconds per compiled step (W = 8; ResNet: batch 64 of digits,
+  or ``batch``: a ``ShapeDtypeStruct`` of token ids, filled at random), the
   configurations interleaved over ``rounds`` rounds of ``steps`` steps, and
   the ring bytes of each compiled step's HLO.
   """
   mesh, axes, _ = _meshes()["W=8"]
   rng = np.random.default_rng(0)
-  batch = (
-    rng.normal(size=(64, 8, 8, 1)).astype(np.float32),
-    rng.integers(0, 10, size=64).astype(np.int32),
-  )
+  if batch is None:
+    batch = (
+      rng.normal(size=(64, 8, 8, 1)).astype(np.float32),
+      rng.integers(0, 10, size=64).astype(np.int32),
+    )
+  else:
+    batch = rng.integers(0, 100, size=batch.shape).astype(batch.dtype)
   grid, progs, compiled_ring = dict(GRID), {}, {}
   for label in labels:
     dp = training.data_parallel_step(
@@ -553,13 +577,15 @@ CONFIGS = {
 
 #: Local steps (DiLoCo, the examples' ``--local-steps``): name -> (H, the
 #: outer exchange's flags, the ``local_steps.json`` program whose
-#: HLO-measured bytes per round it sends). Evaluations fall on outer steps:
-#: every 576 steps (a multiple of each H).
+#: HLO-measured bytes per round it sends, evaluation period). Evaluations
+#: fall on outer steps: every 576 steps (a multiple of each H), or every 72
+#: for the pair of claim 15 (steps to a target read off the held-out curve).
+_DENSE_OUTER = "local_steps_step, dense float outer"
 LOCAL = {
-  f"local_h{h}_{outer}": (h, flags, program)
+  f"local_h{h}_{outer}": (h, flags, program, 576)
   for h in (4, 16, 64)
   for outer, flags, program in (
-    ("dense", ["--exchange", "dense"], "local_steps_step, dense float outer"),
+    ("dense", ["--exchange", "dense"], _DENSE_OUTER),
     (
       "int8_shared_0.1",
       [
@@ -576,17 +602,21 @@ LOCAL = {
     ),
   )
 }
-LOCAL_EVAL_EVERY = 576
+#: Claim 15 ("15% of the nodes lost keeps 92% efficiency"): H = 4, dense
+#: outer exchange, each replica absent from each outer step with
+#: probability 0.15 (seeded per round), against none absent.
+CLAIM15 = ("local_h4_dense_e72", "local_h4_dense_absent_0.15")
+LOCAL[CLAIM15[0]] = (4, ["--exchange", "dense"], _DENSE_OUTER, 72)
+LOCAL[CLAIM15[1]] = (
+  4,
+  ["--exchange", "dense", "--outer-absent", "0.15"],
+  _DENSE_OUTER,
+  72,
+)
 CONFIGS.update(
   {
-    name: [
-      "--local-steps",
-      str(h),
-      *flags,
-      "--eval-every",
-      str(LOCAL_EVAL_EVERY),
-    ]
-    for name, (h, flags, _) in LOCAL.items()
+    name: ["--local-steps", str(h), *flags, "--eval-every", str(every)]
+    for name, (h, flags, _, every) in LOCAL.items()
   }
 )
 
@@ -655,7 +685,7 @@ def bytes_ratio(task: str, name: str) -> float | None:
   (``benchmarks.local_steps``, BERT only) over its H inner steps.
   """
   if name in LOCAL:
-    h, _, program = LOCAL[name]
+    h, _, program, _ = LOCAL[name]
     if task != "bert" or not os.path.exists(LOCAL_BYTES):
       return None
     return local_round_ratios(LOCAL_BYTES)[program] / h
@@ -761,15 +791,19 @@ def run_queue(
 
 
 def load_runs(runs_dir: str | None) -> dict[str, list[dict[str, Any]]]:
-  """The runs of ``runs_dir/<task>*.json`` (several queues may run at once,
-  each into its own file).
+  """The runs of ``runs_dir/**/<task>*.json`` (several queues may run at
+  once, each into its own file or folder).
   """
   import glob
 
   out = {}
   for task in TASKS:
     for path in (
-      sorted(glob.glob(os.path.join(runs_dir or "", f"{task}*.json")))
+      sorted(
+        glob.glob(
+          os.path.join(runs_dir or "", "**", f"{task}*.json"), recursive=True
+        )
+      )
       if runs_dir
       else []
     ):
@@ -815,6 +849,321 @@ def summarize_runs(runs: dict[str, list[dict[str, Any]]]) -> list[dict]:
           )
         rows.append(row)
   return rows
+
+
+def measure_frontier_times() -> dict[str, dict[str, float]]:
+  """Step compute seconds (W = 8, interleaved) of :data:`FRONTIER_TIMED`,
+  per model: the break-even table's compute times.
+  """
+  out = {}
+  for task, labels in FRONTIER_TIMED.items():
+    loss_fn, params, batch = {"resnet": resnet_loss, "bert": bert_loss}[task]()
+    times, _ = measure_step_time(
+      loss_fn, params, labels, batch=None if task == "resnet" else batch
+    )
+    out[task] = times
+  return out
+
+
+def dense_ring_bytes(task: str) -> float:
+  return modelled_traffic(_task_shapes(task), {"exchange": "dense"}, (8,))
+
+
+def frontier_rows(quality: list[dict], times: dict | None) -> list[dict]:
+  """The quality rows with each point's compute time over dense's and its
+  break-even link bandwidth (:func:`crossover`, bit/s): measured step
+  compute of its exchange (``times``), modelled bytes. A local-steps point
+  computes an ordinary step between outer steps: its compute per step is
+  taken as dense's (the outer step, once per H steps, is not timed).
+  """
+  rows = []
+  for r in quality:
+    row = dict(r)
+    task_times = (times or {}).get(r["task"], {})
+    dense_t = task_times.get("dense")
+    ratio = r.get("x_dense_bytes")
+    t = None
+    if r["config"] in LOCAL:
+      t = dense_t
+    elif GRID_OF.get(r["config"]) in task_times:
+      t = task_times[GRID_OF[r["config"]]]
+    row["compute_ratio"] = None if t is None or not dense_t else t / dense_t
+    row["break_even_bps"] = None
+    if t is not None and dense_t and ratio is not None and ratio < 1:
+      db = dense_ring_bytes(r["task"])
+      row["break_even_bps"] = crossover(dense_t, db, t, ratio * db)
+    rows.append(row)
+  return rows
+
+
+#: The seeds' 175B model on paper (assumptions of the table below it).
+PAPER = {
+  "params": 175e9,
+  "replicas": 64,  # data-parallel replicas, each a model-parallel group
+  "tokens_per_step": 3.2e6,  # GPT-3's batch
+  "gpus_per_replica": 8,
+  "gpu_flops": 312e12,  # bf16 dense peak of an A100
+  "mfu": 0.4,
+}
+
+
+def paper_break_even(rows: list[dict]) -> list[dict]:
+  """Per BERT frontier point: the break-even bandwidth at :data:`PAPER`'s
+  scale, with the point's measured bytes ratio and compute ratio.
+  """
+  p = PAPER
+  w = p["replicas"]
+  dense_bytes = 2 * (w - 1) / w * 4 * p["params"]
+  compute_s = (
+    6
+    * p["params"]
+    * p["tokens_per_step"]
+    / (w * p["gpus_per_replica"] * p["gpu_flops"] * p["mfu"])
+  )
+  out = []
+  for r in rows:
+    if r["task"] != "bert" or r["config"] == "dense":
+      continue
+    if r.get("compute_ratio") is None or r.get("x_dense_bytes") is None:
+      continue
+    t = compute_s * r["compute_ratio"]
+    out.append(
+      {
+        "config": r["config"],
+        "steps": r["steps"],
+        "x_dense_bytes": r["x_dense_bytes"],
+        "compute_ratio": r["compute_ratio"],
+        "dense_bytes": dense_bytes,
+        "compute_s": compute_s,
+        "break_even_bps": crossover(
+          compute_s, dense_bytes, t, r["x_dense_bytes"] * dense_bytes
+        ),
+      }
+    )
+  return out
+
+
+def steps_to(history: list, target: float) -> float:
+  """First step (linearly interpolated between evaluations) at which the
+  held-out loss is at most ``target``; ``inf`` if never.
+  """
+  prev_step, prev = 0, None
+  for step, loss, *_ in history:
+    if loss <= target:
+      if prev is None:
+        return float(step)
+      return prev_step + (step - prev_step) * (prev - target) / (prev - loss)
+    prev_step, prev = step, loss
+  return float("inf")
+
+
+def claim15(runs: dict[str, list[dict]]) -> dict | None:
+  """Claim 15 on BERT: per seed, efficiency = steps the no-fault run needs
+  to reach its own held-out loss at 75% of its steps over the steps the run
+  with absent replicas needs (the claims table's definition, per seed).
+  """
+  items = runs.get("bert", [])
+  base = {r["seed"]: r for r in items if r["config"] == CLAIM15[0]}
+  faulty = {r["seed"]: r for r in items if r["config"] == CLAIM15[1]}
+  seeds = sorted(set(base) & set(faulty))
+  if not seeds:
+    return None
+  rows = []
+  for seed in seeds:
+    hist = base[seed]["eval_history"]
+    at = 0.75 * base[seed]["steps"]
+    target = min((h for h in hist if h[0] <= at), key=lambda h: abs(h[0] - at))[
+      1
+    ]
+    t0 = steps_to(hist, target)
+    t1 = steps_to(faulty[seed]["eval_history"], target)
+    rows.append(
+      {
+        "seed": seed,
+        "target": target,
+        "no_fault_steps": t0,
+        "faulty_steps": t1,
+        "efficiency": t0 / t1,
+        "final_loss": base[seed]["eval_loss"],
+        "final_loss_faulty": faulty[seed]["eval_loss"],
+      }
+    )
+  eff = [r["efficiency"] for r in rows]
+  return {
+    "configs": list(CLAIM15),
+    "rows": rows,
+    "efficiency_mean": float(np.mean(eff)),
+    "efficiency_min": float(np.min(eff)),
+    "command": faulty[seeds[0]]["command"],
+  }
+
+
+def _gbps(bps) -> str:
+  if bps is None:
+    return "—"
+  return "inf" if math.isinf(bps) else f"{bps / 1e9:.3g}"
+
+
+def frontier_markdown(data: dict[str, Any]) -> list[str]:
+  rows = data.get("frontier") or []
+  if not rows:
+    return []
+  lines = [
+    "## The frontier: bytes against held-out quality, and break-even links",
+    "",
+    "Every run of the quality table, grouped by example and run length: "
+    "bytes per device per step over dense's (local steps: per inner step), "
+    "the held-out metric (mean over the seeds; spread = largest minus "
+    "smallest), its distance to dense at the same steps, the step's "
+    "compute time over dense's (measured on the 8 forced CPU devices, "
+    "interleaved, `measure_frontier_times`; local steps: taken as dense's) "
+    "and the link bandwidth below which the point's step (compute + ring "
+    "bytes / bandwidth, no overlap) is faster than dense's (`inf`: at any "
+    "bandwidth; `—`: compute not measured). Plot: "
+    "`communication_frontier.png`.",
+    "",
+    "| example | steps | exchange | x dense bytes | mean | spread | seeds "
+    "| vs dense | x dense compute | break-even (Gbit/s) |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in sorted(
+    rows,
+    key=lambda r: (r["task"], r["steps"], -(r.get("x_dense_bytes") or 2)),
+  ):
+    vs = r.get("vs_dense")
+    vs = (
+      "—"
+      if vs is None
+      else f"{100 * vs:+.2f} pts"
+      if r["task"] == "resnet"
+      else f"{100 * vs:+.2f}%"
+    )
+    ratio = r.get("x_dense_bytes")
+    cr = r.get("compute_ratio")
+    lines.append(
+      f"| {r['task']} | {r['steps']} | {r['config']} | "
+      + ("—" if ratio is None else f"{ratio:.5f}")
+      + f" | {r['mean']:.4f} | {r['spread']:.4f} | {len(r['seeds'])} | {vs}"
+      + " | "
+      + ("—" if cr is None else f"{cr:.2f}")
+      + f" | {_gbps(r.get('break_even_bps'))} |"
+    )
+  paper = data.get("paper") or []
+  if paper:
+    p = PAPER
+    lines += [
+      "",
+      "### On paper: the seeds' 175B-parameter model",
+      "",
+      f"Assumptions: {p['params']:.3g} parameters, fp32 gradients, "
+      f"{p['replicas']} data-parallel replicas (each a model-parallel "
+      f"group of {p['gpus_per_replica']} GPUs at "
+      f"{p['gpu_flops'] / 1e12:.0f} TFLOP/s and {p['mfu']:.0%} utilisation), "
+      f"{p['tokens_per_step']:.3g} tokens per step, 6 FLOPs per parameter "
+      "and token: "
+      f"{paper[0]['compute_s']:.1f} s of compute and "
+      f"{paper[0]['dense_bytes'] / 1e12:.2f} TB of dense ring bytes per "
+      "device per step. Each point keeps its bytes ratio and compute ratio "
+      "as measured on the BERT example (the CPU's compute ratio overstates "
+      "a GPU's, where the compression is a smaller share of the step).",
+      "",
+      "| exchange | steps | x dense bytes | x dense compute | "
+      "break-even (Gbit/s) |",
+      "|---|---|---|---|---|",
+    ]
+    for r in paper:
+      lines.append(
+        f"| {r['config']} | {r['steps']} | {r['x_dense_bytes']:.5f} | "
+        f"{r['compute_ratio']:.2f} | {_gbps(r['break_even_bps'])} |"
+      )
+  c15 = data.get("claim15")
+  if c15:
+    lines += [
+      "",
+      "### Claim 15 on the BERT example",
+      "",
+      "Local steps (H = 4, dense outer exchange), each replica absent from "
+      "each outer step with probability 0.15 (its round's work dropped), "
+      "against none absent, same seed. Efficiency: steps the no-fault run "
+      "needs to reach its own held-out loss at 75% of its steps, over the "
+      f"steps the faulty run needs. Command: `{c15['command']}`.",
+      "",
+      "| seed | target loss | no-fault steps | faulty steps | efficiency | "
+      "final loss (no fault) | final loss (15% absent) |",
+      "|---|---|---|---|---|---|---|",
+    ]
+    for r in c15["rows"]:
+      lines.append(
+        f"| {r['seed']} | {r['target']:.4f} | {r['no_fault_steps']:.0f} | "
+        f"{r['faulty_steps']:.0f} | {r['efficiency']:.1%} | "
+        f"{r['final_loss']:.4f} | {r['final_loss_faulty']:.4f} |"
+      )
+    lines.append(
+      f"\nEfficiency mean {c15['efficiency_mean']:.1%}, min "
+      f"{c15['efficiency_min']:.1%} (claim: 92%)."
+    )
+  return lines + [""]
+
+
+def plot_frontier(rows: list[dict], path: str) -> str | None:
+  """Bytes ratio (log) against the held-out metric, one panel per example
+  and run length; bars from the smallest to the largest seed.
+  """
+  groups = sorted({(r["task"], r["steps"]) for r in rows})
+  groups = [
+    g
+    for g in groups
+    if sum(1 for r in rows if (r["task"], r["steps"]) == g) > 1
+  ]
+  if not groups:
+    return None
+  import matplotlib  # pylint: disable=g-import-not-at-top
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  fig, axes = plt.subplots(
+    1, len(groups), figsize=(5.5 * len(groups), 4.2), squeeze=False
+  )
+  colors = {
+    "dense": "k",
+    "all_gather": "tab:blue",
+    "shared": "tab:orange",
+    "powersgd": "tab:green",
+    "local": "tab:red",
+  }
+  for ax, (task, steps) in zip(axes[0], groups):
+    for r in rows:
+      if (r["task"], r["steps"]) != (task, steps) or not r.get("x_dense_bytes"):
+        continue
+      family = next((k for k in colors if r["config"].startswith(k)), "dense")
+      vals = r["values"]
+      ax.errorbar(
+        r["x_dense_bytes"],
+        r["mean"],
+        yerr=[[r["mean"] - min(vals)], [max(vals) - r["mean"]]],
+        fmt="o",
+        color=colors[family],
+        capsize=3,
+      )
+      ax.annotate(
+        r["config"].replace("all_gather_compact_", "ag_"),
+        (r["x_dense_bytes"], r["mean"]),
+        fontsize=6,
+        xytext=(3, 3),
+        textcoords="offset points",
+      )
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes per device per step / dense")
+    ax.set_ylabel(
+      "held-out accuracy" if task == "resnet" else "held-out MLM loss"
+    )
+    ax.set_title(f"{task}, {steps} steps, 8 replicas")
+    ax.grid(True, which="both", alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
 
 
 def _bytes_table(rows, with_across=False) -> list[str]:
@@ -966,6 +1315,8 @@ def markdown(data: dict[str, Any]) -> str:
         + f" | {r['mean']:.4f} | {r.get('spread', 0.0):.4f} | {vs} | "
         f"`{r['command']}` |"
       )
+    lines.append("")
+  lines += frontier_markdown(data)
   return "\n".join(lines) + "\n"
 
 
@@ -1068,6 +1419,13 @@ def main(argv=None) -> dict[str, Any]:
     "warm-up stages scale with it, the runs go to <task>_<steps>.json.",
   )
   parser.add_argument(
+    "--frontier-times",
+    action="store_true",
+    help="Measure the step compute times of the frontier's break-even "
+    "table (FRONTIER_TIMED; a quiet machine); with --reuse, the last "
+    "measurement is kept otherwise.",
+  )
+  parser.add_argument(
     "--reuse",
     action="store_true",
     help="Keep the bytes and step times of --out's "
@@ -1104,12 +1462,25 @@ def main(argv=None) -> dict[str, Any]:
     )
   else:
     data = measure_traffic(args)
-  data["quality"] = summarize_runs(load_runs(args.runs))
-  data["runs"] = load_runs(args.runs)
+  if args.frontier_times:
+    data["frontier_times"] = measure_frontier_times()
+    data["meta"]["frontier_times_command"] = (
+      f"{COMMAND} --reuse --frontier-times --out "
+      f"{command_lib.portable_path(args.out)}"
+    )
+  runs = load_runs(args.runs)
+  data["quality"] = summarize_runs(runs)
+  data["runs"] = runs
+  data["frontier"] = frontier_rows(data["quality"], data.get("frontier_times"))
+  data["paper"] = paper_break_even(data["frontier"])
+  data["claim15"] = claim15(runs)
   data["meta"]["wall_time_s"] = time.time() - tick
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "communication.json"), "w") as f:
     json.dump(data, f, indent=1, default=lambda x: None)
+  plot_frontier(
+    data["frontier"], os.path.join(args.out, "communication_frontier.png")
+  )
   text = markdown(data)
   with open(os.path.join(args.out, "communication.md"), "w") as f:
     f.write(text)

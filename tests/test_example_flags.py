@@ -163,12 +163,13 @@ def test_benchmark_configs_parse_to_the_named_exchange(task, name):
 
 @pytest.mark.parametrize("name", sorted(communication.LOCAL))
 def test_local_step_configs_run_the_measured_outer_exchange(name):
-  h, _, program = communication.LOCAL[name]
+  h, _, program, every = communication.LOCAL[name]
   args = MAINS["bert"].parse_args(
     ["--data-parallel", *communication.config_argv("bert", name, 1800)]
   )
   assert args.local_steps == h
-  assert args.eval_every % h == 0
+  assert args.eval_every == every and every % h == 0
+  assert args.outer_absent == (0.15 if name.endswith("absent_0.15") else 0)
   ex = parallel.exchange_of(args)
   assert ex.warmup_steps == 0  # No DGC warm-up on the outer exchange.
   # The outer exchange is the one whose round bytes local_steps.py measured.
