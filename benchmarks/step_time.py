@@ -118,6 +118,12 @@ def optimizers(
     "grpo_topk_acc_bf16": lambda: g.grpo(
       lr, sparsify="topk", accumulator_format="bfloat16_sr"
     ),
+    "grpo_threshold_acc_bf16": lambda: g.grpo(
+      lr, sparsify="threshold", accumulator_format="bfloat16_sr"
+    ),
+    "grpo_topk_acc_int8": lambda: g.grpo(
+      lr, sparsify="topk", accumulator_format="int8_sr"
+    ),
     "grpo_topk_8bit": lambda: g.grpo(
       lr,
       sparsify="topk",
@@ -151,6 +157,8 @@ QUICK = (
   "grpo_topk",
   "grpo_topk_int8",
   "grpo_topk_acc_bf16",
+  "grpo_threshold_acc_bf16",
+  "grpo_topk_acc_int8",
   "grpo_topk_8bit",
   "grpo_dense_chain",
   "grpo_threshold_chain",
