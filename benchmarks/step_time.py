@@ -121,6 +121,9 @@ def optimizers(
     "grpo_threshold_acc_bf16": lambda: g.grpo(
       lr, sparsify="threshold", accumulator_format="bfloat16_sr"
     ),
+    "grpo_topk_moments_bf16_sr": lambda: g.grpo(
+      lr, mu_format="bfloat16_sr", nu_format="bfloat16_sr"
+    ),
     "grpo_topk_acc_int8": lambda: g.grpo(
       lr, sparsify="topk", accumulator_format="int8_sr"
     ),
@@ -160,6 +163,7 @@ QUICK = (
   "grpo_threshold_acc_bf16",
   "grpo_topk_acc_int8",
   "grpo_topk_8bit",
+  "grpo_topk_moments_bf16_sr",
   "grpo_dense_chain",
   "grpo_threshold_chain",
   "grpo_topk_chain",

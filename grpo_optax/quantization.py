@@ -512,7 +512,10 @@ def encode(
   Args:
     fmt: a format name or :class:`StateFormat`.
     x: the array (any float dtype, any shape).
-    key: a PRNG key: the random bits of a stochastic format.
+    key: a PRNG key: the random bits of a stochastic format (one uint32
+      drawn from it, hashed with each entry's index:
+      :func:`grpo_optax._common.hash_bits`; an array of random bits of
+      ``x``'s shape is what XLA:CPU keeps in memory, 4 bytes per entry).
     bits: or the random bits themselves, a uint32 array shaped like ``x``
       (e.g. :func:`grpo_optax._common.hash_bits`); ignored by
       deterministic formats.
@@ -546,7 +549,9 @@ def encode(
         f"format {fmt.name!r} rounds stochastically: `key` "
         "must be a PRNG key, got None."
       )
-    bits = jax.random.bits(key, x.shape, jnp.uint32)
+    bits = _common.hash_bits(
+      tuple(x.shape), jax.random.bits(key, (), jnp.uint32)
+    )
   if fmt.blocked and fmt.exact(tuple(x.shape)):
     unused = jnp.zeros(scale_shape(fmt, tuple(x.shape)), jnp.float32)
     return Quantized(x.astype(jnp.float32), unused)
