@@ -602,6 +602,27 @@ LOCAL = {
     ),
   )
 }
+#: Plain averaging as the outer step (outer lr 1, no momentum: local SGD /
+#: FedAvg) instead of DiLoCo's Nesterov 0.7 / 0.9, which is tuned for
+#: H = 500 steps on large local batches.
+LOCAL["local_h4_dense_avg"] = (
+  4,
+  ["--exchange", "dense", "--outer-lr", "1.0", "--outer-momentum", "0.0"],
+  _DENSE_OUTER,
+  576,
+)
+LOCAL["local_h16_int8_shared_0.1_avg"] = (
+  16,
+  [
+    *LOCAL["local_h16_int8_shared_0.1"][1],
+    "--outer-lr",
+    "1.0",
+    "--outer-momentum",
+    "0.0",
+  ],
+  LOCAL["local_h16_int8_shared_0.1"][2],
+  576,
+)
 #: Claim 15 ("15% of the nodes lost keeps 92% efficiency"): H = 4, dense
 #: outer exchange, each replica absent from each outer step with
 #: probability 0.15 (seeded per round), against none absent.
@@ -1019,8 +1040,9 @@ def frontier_markdown(data: dict[str, Any]) -> list[str]:
     "interleaved, `measure_frontier_times`; local steps: taken as dense's) "
     "and the link bandwidth below which the point's step (compute + ring "
     "bytes / bandwidth, no overlap) is faster than dense's (`inf`: at any "
-    "bandwidth; `—`: compute not measured). Plot: "
-    "`communication_frontier.png`.",
+    "bandwidth; `—`: compute not measured).",
+    "",
+    "![The frontier](communication_frontier.png)",
     "",
     "| example | steps | exchange | x dense bytes | mean | spread | seeds "
     "| vs dense | x dense compute | break-even (Gbit/s) |",

@@ -72,7 +72,7 @@ def _resnet(flags):
     )
 
   def step(state, inputs):
-    state, _, metrics = step_fn(state, None, *inputs)
+    state, metrics = step_fn(state, *inputs)
     return state, metrics["loss"]
 
   return state, step, batch
@@ -112,7 +112,7 @@ def _bert(flags):
     return data.train[idx], data_lib.step_key(step_base, step)
 
   def step(state, inputs):
-    state, _, metrics = step_fn(state, None, *inputs)
+    state, metrics = step_fn(state, *inputs)
     return state, metrics["loss"]
 
   return state, step, batch

@@ -5,6 +5,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 
 from benchmarks import claims
 from benchmarks import convergence
@@ -306,3 +307,19 @@ def test_claims_fault_row_reads_local_steps_json(tmp_path):
   rows[1]["efficiency_mean"] = 0.91
   (tmp_path / "local_steps.json").write_text(json.dumps(data))
   assert row_text().rstrip().endswith("| does not hold |")
+
+
+@pytest.mark.slow
+def test_example_step_runs_every_optimizer_on_both_examples(tmp_path):
+  # The examples' train steps are the benchmark's (their signatures changed
+  # once without it noticing).
+  from benchmarks import example_step
+
+  example_step.main(
+    ["--rounds", "1", "--steps", "1", "--out", str(tmp_path)]
+  )
+  rows = json.loads((tmp_path / "example_step.json").read_text())["rows"]
+  assert {(r["example"], r["optimizer"]) for r in rows} == {
+    (e, o) for e in example_step.EXAMPLES for o in example_step.OPTIMIZERS
+  }
+  assert all(r["median_ms"] > 0 and r["first_step_s"] > 0 for r in rows)
