@@ -315,9 +315,7 @@ def test_example_step_runs_every_optimizer_on_both_examples(tmp_path):
   # once without it noticing).
   from benchmarks import example_step
 
-  example_step.main(
-    ["--rounds", "1", "--steps", "1", "--out", str(tmp_path)]
-  )
+  example_step.main(["--rounds", "1", "--steps", "1", "--out", str(tmp_path)])
   rows = json.loads((tmp_path / "example_step.json").read_text())["rows"]
   assert {(r["example"], r["optimizer"]) for r in rows} == {
     (e, o) for e in example_step.EXAMPLES for o in example_step.OPTIMIZERS
