@@ -647,24 +647,54 @@ def flat_sample(x: jax.Array) -> jax.Array:
 class SampledMoments:
   """Accumulates size-weighted means over per-leaf samples.
 
-  Each leaf's contribution is kept apart and summed by :func:`total` at the
-  end: a running sum over the leaves is a chain of scalar additions, which
-  XLA compiles in time growing with the number of leaves.
+  ``add`` takes each leaf's sample arrays (e.g. :func:`strided_sample`);
+  ``mean`` stacks the samples of equal shape, dtype and layout and reduces
+  each stack at once, then sums the few per-group results (:func:`total`).
+  One reduction per leaf, summed over the leaves, is what XLA:CPU fused
+  into a single kernel of every leaf's sample computation and a chain of
+  scalar additions (772 inputs on 384 leaves), whose fusion grew faster
+  than quadratically with the leaves: 25 s of the fusion pass alone at 768
+  leaves.
   """
 
   def __init__(self):
     self.total = 0
-    self.parts: dict[str, list[jax.Array]] = {}
+    self.parts: dict[str, list[tuple[jax.Array, int]]] = {}
 
   def add(self, n: int, **samples: jax.Array) -> None:
     if n == 0:
       return
     self.total += n
     for k, v in samples.items():
-      v = jnp.asarray(v, jnp.float32)
-      self.parts.setdefault(k, []).append(jnp.mean(v) * n)
+      self.parts.setdefault(k, []).append((jnp.asarray(v, jnp.float32), n))
 
   def mean(self, key: str, default: float = 0.0) -> jax.Array:
     if not self.total or key not in self.parts:
       return jnp.asarray(default, jnp.float32)
-    return total(self.parts[key]) / self.total
+    groups: dict[Any, list[tuple[jax.Array, int]]] = {}
+    multi = jax.device_count() > 1
+    for j, (v, n) in enumerate(self.parts[key]):
+      spec = explicit_spec(v)
+      # As the bisected samples (sparsify._group_key): without a known
+      # layout on several devices, stacking could give one leaf's sample
+      # another's sharding.
+      gkey = (j,) if spec is None and multi else (v.shape, spec)
+      groups.setdefault(gkey, []).append((v, n))
+    sums, singles = [], []
+    for items in groups.values():
+      weights = np.asarray([n for _, n in items], np.float32)
+      if len(items) == 1:
+        singles.append(jnp.mean(items[0][0]) * weights[0])
+        continue
+      stacked = jnp.stack([v for v, _ in items])
+      means = jnp.mean(stacked, axis=tuple(range(1, stacked.ndim)))
+      sums.append(jnp.sum(means * weights))
+    if len(singles) > 1:
+      # Leaves reduced one by one (several devices, layouts unknown): their
+      # sum goes through a sort (one small op XLA does not fuse), so that
+      # every leaf's reduction stays its own kernel instead of joining one
+      # kernel with an input per leaf.
+      sums.append(jnp.sum(jnp.sort(stack(singles))))
+    else:
+      sums += singles
+    return total(sums) / self.total

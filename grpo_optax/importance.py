@@ -129,7 +129,7 @@ def _importance_leaf(g, p, s_old, h_old, hd, ent, hyper):
 
   ``h_old`` is None for order 1; ``hd`` (a given Hessian diagonal) and
   ``ent`` (per-head entropies) are None when not given; ``moments`` are the
-  means of the diagnostics on the leaf's strided sample. Jitted, so that
+  samples of the diagnostics on the leaf's strided grid. Jitted, so that
   leaves of one shape share one trace and one lowered function (XLA inlines
   the calls).
   """
@@ -169,10 +169,10 @@ def _importance_leaf(g, p, s_old, h_old, hd, ent, hyper):
     jnp.broadcast_to(head, s.shape)
   )
   moments = {
-    "w": jnp.mean(w_sample),
-    "w2": jnp.mean(w_sample * w_sample),
-    "r": jnp.mean(r_sample),
-    "r2": jnp.mean(r_sample * r_sample),
+    "w": w_sample,
+    "w2": w_sample * w_sample,
+    "r": r_sample,
+    "r2": r_sample * r_sample,
   }
   return out, s.astype(s_old.dtype), h, moments
 

@@ -85,15 +85,15 @@ def _global(values, sizes, reduction):
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
 def _scale_leaf(g, var, denom, coef, eps, *, out_dtype):
   """``g / (1 + coef var)`` (``var / (denom + eps)`` when ``denom`` is given)
-  in the params' dtype, and the sampled means of the variance and the scale.
+  in the params' dtype, and samples of the variance and the scale.
   """
   if denom is not None:
     var = var / (denom + eps)
   scale = 1.0 / (1.0 + coef * var)
   out = (g * scale).astype(jnp.promote_types(g.dtype, out_dtype))
   return out, {
-    "var": jnp.mean(_common.strided_sample(var)),
-    "scale": jnp.mean(_common.strided_sample(scale)),
+    "var": _common.strided_sample(var),
+    "scale": _common.strided_sample(scale),
   }
 
 

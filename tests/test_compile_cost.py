@@ -110,3 +110,40 @@ def test_the_clipping_norm_adds_no_kernel_per_small_leaf():
   adam = _fusions(optax.adam(1e-3), 4) - _fusions(optax.adam(1e-3), 2)
   dense = _fusions(MODES["dense"](), 4) - _fusions(MODES["dense"](), 2)
   assert dense <= adam + 2, (dense, adam)
+
+
+def _largest_fusion_inputs(tx, n_layers: int) -> int:
+  """The most parameters of one fused computation of the compiled step."""
+  import re
+
+  params = _tree(n_layers)
+  state = tx.init(params)
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  text = (
+    jax.jit(step, donate_argnums=(0, 1))
+    .lower(params, state, params)
+    .compile(compiler_options=USER_DEFAULT)
+    .as_text()
+  )
+  counts = [
+    comp.count(" parameter(")
+    for comp in re.split(r"\n(?=\S)", text)
+    if comp.startswith("%fused_computation")
+  ]
+  return max(counts)
+
+
+@pytest.mark.parametrize("mode", ["article", "dense", "topk"])
+def test_no_kernel_takes_an_input_per_leaf(mode):
+  # The articles' diagnostics (importance weights, variance rate) were one
+  # sampled mean per leaf, summed over the leaves: XLA:CPU fused them into
+  # one kernel with two inputs per leaf (772 on 384 leaves) whose fusion
+  # pass time grew faster than quadratically (25 s of 87 s of compile at
+  # 768 leaves). Samples of one shape are now reduced as one stack.
+  small = _largest_fusion_inputs(MODES[mode](), 2)  # 18 leaves
+  large = _largest_fusion_inputs(MODES[mode](), 4)  # 36 leaves
+  assert large <= small + 4, (small, large)
