@@ -102,8 +102,8 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "variance_lr_scale_without_coef",
     "grpo_optax/variance.py",
-    '"scale": jnp.mean(_common.strided_sample(scale)),',
-    '"scale": jnp.mean(_common.strided_sample(1.0 / (1.0 + var))),',
+    '"scale": _common.strided_sample(scale),',
+    '"scale": _common.strided_sample(1.0 / (1.0 + var)),',
     T_VAR,
     "diagnostic lr_scale = mean 1/(1 + var), without coef",
   ),
@@ -257,8 +257,8 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "importance_weight_std_without_square",
     "grpo_optax/importance.py",
-    '"w2": jnp.mean(w_sample * w_sample),',
-    '"w2": jnp.mean(w_sample),',
+    '"w2": w_sample * w_sample,',
+    '"w2": w_sample,',
     T_IMP,
     "weight_std from E[w] instead of E[w^2]",
   ),
@@ -396,13 +396,12 @@ MUTANTS: list[Mutant] = [
     "grpo_optax/_common.py",
     "self.total += n\n"
     "    for k, v in samples.items():\n"
-    "      v = jnp.asarray(v, jnp.float32)\n"
-    "      self.parts.setdefault(k, []).append(jnp.mean(v) * n)",
+    "      self.parts.setdefault(k, []).append((jnp.asarray(v, jnp.float32), n))",
     "self.total += min(n, SAMPLE_PER_LEAF)\n"
     "    for k, v in samples.items():\n"
-    "      v = jnp.asarray(v, jnp.float32)\n"
     "      self.parts.setdefault(k, []).append(\n"
-    "        jnp.mean(v) * min(n, SAMPLE_PER_LEAF))",
+    "        (jnp.asarray(v, jnp.float32), min(n, SAMPLE_PER_LEAF))\n"
+    "      )",
     T_IMP,
     "diagnostics weight a leaf by its sample size, not its size",
   ),
