@@ -623,6 +623,18 @@ LOCAL["local_h16_int8_shared_0.1_avg"] = (
   LOCAL["local_h16_int8_shared_0.1"][2],
   576,
 )
+LOCAL["local_h64_int8_shared_0.1_avg"] = (
+  64,
+  [
+    *LOCAL["local_h64_int8_shared_0.1"][1],
+    "--outer-lr",
+    "1.0",
+    "--outer-momentum",
+    "0.0",
+  ],
+  LOCAL["local_h64_int8_shared_0.1"][2],
+  576,
+)
 #: Claim 15 ("15% of the nodes lost keeps 92% efficiency"): H = 4, dense
 #: outer exchange, each replica absent from each outer step with
 #: probability 0.15 (seeded per round), against none absent.
