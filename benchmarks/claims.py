@@ -354,8 +354,31 @@ def memory_state_row(t: Table, mem: dict | None, thr: dict | None) -> None:
   )
 
 
-def fault_claim(table, local: dict | None) -> None:
-  """Row 15: efficiency with 15% of the replicas missing each round."""
+def _bert_fault(comm: dict | None) -> tuple[str, str, list[float]]:
+  """Claim 15 on the BERT example (``communication.json``'s ``claim15``):
+  the measured text, the setup and the per-seed efficiencies, or empty.
+  """
+  c = (comm or {}).get("claim15")
+  if not c:
+    return "", "", []
+  eff = [r["efficiency"] for r in c["rows"]]
+  measured = (
+    f"BERT example: {100 * c['efficiency_mean']:.1f}% (min "
+    f"{100 * c['efficiency_min']:.1f}% over {len(eff)} seeds)"
+  )
+  setup = (
+    "; BERT example: W = 8, local steps H = 4 (dense outer exchange), "
+    "1,800 steps, each replica absent from each outer step with p = 0.15, "
+    "steps to the no-fault run's held-out loss at 75% of its steps"
+  )
+  return measured, setup, eff
+
+
+def fault_claim(table, local: dict | None, comm: dict | None = None) -> None:
+  """Row 15: efficiency with 15% of the replicas missing each round (the
+  digits MLP of ``local_steps.json``; the BERT example of
+  ``communication.json`` when measured).
+  """
   claim = "15% of nodes failing keeps 92% training efficiency"
   rows = {
     r["dropout"]: r
@@ -367,6 +390,7 @@ def fault_claim(table, local: dict | None) -> None:
     )
     return
   d, r = local["dropout"], rows[0.15]
+  bert, bert_setup, bert_eff = _bert_fault(comm)
   others = "; ".join(
     f"{100 * p:.0f}% missing: {100 * rows[p]['efficiency_mean']:.1f}%"
     for p in sorted(rows)
@@ -377,14 +401,18 @@ def fault_claim(table, local: dict | None) -> None:
     "004 §3.1",
     f"{100 * r['efficiency_mean']:.1f}% (min {100 * r['efficiency_min']:.1f}"
     f"% over {r['seeds']} mask seeds; {100 * r['measured_missing']:.1f}% "
-    f"of replica-rounds missing){'; ' + others if others else ''}",
+    f"of replica-rounds missing){'; ' + others if others else ''}"
+    + (f"; {bert}" if bert else ""),
     f"local steps (DiLoCo), W = {d['replicas']}, H = {d['local_steps']}, "
     f"{d['rounds']} rounds, MLP on digits; each replica misses each round "
     "with p = 0.15 (its work lost, it rejoins from the new outer params); "
     "efficiency = no-fault rounds / faulty rounds to the held-out loss the "
-    "no-fault run reaches at 75% of its rounds",
+    "no-fault run reaches at 75% of its rounds" + bert_setup,
     local.get("command", LOCAL),
-    HOLDS if r["efficiency_mean"] >= 0.92 else FAILS,
+    HOLDS
+    if r["efficiency_mean"] >= 0.92
+    and (not bert_eff or sum(bert_eff) / len(bert_eff) >= 0.92)
+    else FAILS,
   )
 
 
@@ -681,7 +709,7 @@ def build(results: str) -> tuple[Table, dict[str, Any]]:
     )
 
   traffic_claim(t, comm)
-  fault_claim(t, _load(results, "local_steps.json"))
+  fault_claim(t, _load(results, "local_steps.json"), comm)
 
   sens = []
   for task in (conv or {}).get("tasks", {}):

@@ -304,6 +304,25 @@ def test_claims_fault_row_reads_local_steps_json(tmp_path):
     "missing); 30% missing: 88.0% |" in row
   )
   assert row.rstrip().endswith("| holds |")
+  # With the BERT example's measurement (communication.json): both must
+  # hold.
+  import pathlib
+
+  committed = pathlib.Path(__file__).parents[1] / "benchmarks" / "results"
+  comm = json.loads((committed / "communication.json").read_text())
+  comm["claim15"] = {
+    "rows": [{"efficiency": 0.97}, {"efficiency": 0.95}],
+    "efficiency_mean": 0.96,
+    "efficiency_min": 0.95,
+  }
+  (tmp_path / "communication.json").write_text(json.dumps(comm))
+  row = row_text()
+  assert "BERT example: 96.0% (min 95.0% over 2 seeds)" in row
+  assert row.rstrip().endswith("| holds |")
+  comm["claim15"]["rows"][1]["efficiency"] = 0.80
+  (tmp_path / "communication.json").write_text(json.dumps(comm))
+  assert row_text().rstrip().endswith("| does not hold |")
+  (tmp_path / "communication.json").unlink()
   rows[1]["efficiency_mean"] = 0.91
   (tmp_path / "local_steps.json").write_text(json.dumps(data))
   assert row_text().rstrip().endswith("| does not hold |")
