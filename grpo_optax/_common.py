@@ -610,6 +610,12 @@ def total(values: list[Any]) -> jax.Array:
   """
   if not values:
     return jnp.zeros((), jnp.float32)
+  if len(values) > 8:
+    # Through a sort, which XLA does not fuse: otherwise XLA:CPU fuses every
+    # value's producer (a leaf's reduction, its sample's arithmetic) and the
+    # sum into one kernel with an input per value, whose fusion time grows
+    # faster than quadratically with the number of values.
+    return jnp.sum(jnp.sort(stack(values)))
   return jnp.sum(stack(values))
 
 
@@ -689,12 +695,6 @@ class SampledMoments:
       stacked = jnp.stack([v for v, _ in items])
       means = jnp.mean(stacked, axis=tuple(range(1, stacked.ndim)))
       sums.append(jnp.sum(means * weights))
-    if len(singles) > 1:
-      # Leaves reduced one by one (several devices, layouts unknown): their
-      # sum goes through a sort (one small op XLA does not fuse), so that
-      # every leaf's reduction stays its own kernel instead of joining one
-      # kernel with an input per leaf.
-      sums.append(jnp.sum(jnp.sort(stack(singles))))
-    else:
-      sums += singles
-    return total(sums) / self.total
+    # Leaves reduced one by one (several devices, layouts unknown) are
+    # summed by total(), whose sort keeps each reduction its own kernel.
+    return total(sums + singles) / self.total

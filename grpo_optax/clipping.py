@@ -104,7 +104,8 @@ def norm_with_l2(
   whole update).
 
   Small leaves (at most :data:`SMALL_LEAF` entries: biases, norm scales) of
-  equal shape, dtype and sharding are stacked and reduced together. XLA:CPU
+  equal shape, dtype and sharding (on one device, or an Explicit mesh) are
+  stacked and reduced together. XLA:CPU
   compiles the sum of a small vector as three kernels (a square, a windowed
   partial sum, a final sum) where a large leaf's is one, so per-leaf sums of
   a transformer's biases and norm scales were half of the kernels of the
@@ -117,7 +118,13 @@ def norm_with_l2(
     if g.size == 0:
       continue
     if g.size <= SMALL_LEAF:
-      key = (g.shape, jnp.dtype(g.dtype), _common.explicit_spec(g))
+      spec = _common.explicit_spec(g)
+      key = (g.shape, jnp.dtype(g.dtype), spec)
+      if spec is None and jax.device_count() > 1:
+        # Several devices and no known layout (an Auto mesh): leaves of
+        # one shape may be sharded differently, and their stack would
+        # reshard one of them. Each is summed on its own.
+        key = (i,)
       groups.setdefault(key, []).append(i)
     else:
       per_leaf.append(
