@@ -55,7 +55,10 @@ def _tree(n_layers: int):
   }
 
 
-def _distinct(tx, n_layers: int) -> int:
+def _compiled(tx, n_layers: int):
+  """The donated update + apply of ``tx`` on :func:`_tree`, compiled with
+  XLA's default emitters.
+  """
   params = _tree(n_layers)
   state = tx.init(params)
 
@@ -63,12 +66,15 @@ def _distinct(tx, n_layers: int) -> int:
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  compiled = (
+  return (
     jax.jit(step, donate_argnums=(0, 1))
     .lower(params, state, params)
     .compile(compiler_options=USER_DEFAULT)
   )
-  return hlo.fused_computations(compiled)["distinct"]
+
+
+def _distinct(tx, n_layers: int) -> int:
+  return hlo.fused_computations(_compiled(tx, n_layers))["distinct"]
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -86,19 +92,7 @@ def test_distinct_fused_computations_do_not_grow_with_the_leaves(mode):
 
 
 def _fusions(tx, n_layers: int) -> int:
-  params = _tree(n_layers)
-  state = tx.init(params)
-
-  def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  compiled = (
-    jax.jit(step, donate_argnums=(0, 1))
-    .lower(params, state, params)
-    .compile(compiler_options=USER_DEFAULT)
-  )
-  return hlo.fused_computations(compiled)["fusions"]
+  return hlo.fused_computations(_compiled(tx, n_layers))["fusions"]
 
 
 def _in_one_device_process(test_name: str) -> None:
@@ -150,19 +144,7 @@ def _largest_fusion_inputs(tx, n_layers: int) -> int:
   """The most parameters of one fused computation of the compiled step."""
   import re
 
-  params = _tree(n_layers)
-  state = tx.init(params)
-
-  def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  text = (
-    jax.jit(step, donate_argnums=(0, 1))
-    .lower(params, state, params)
-    .compile(compiler_options=USER_DEFAULT)
-    .as_text()
-  )
+  text = _compiled(tx, n_layers).as_text()
   counts = [
     comp.count(" parameter(")
     for comp in re.split(r"\n(?=\S)", text)
