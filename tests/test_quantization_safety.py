@@ -61,6 +61,29 @@ def test_one_block_of_rare_small_entries(fused):
   assert np.all(q8 <= 2 * fp32), (cs, q8, fp32)
 
 
+def test_stochastic_bf16_moments_on_rare_small_entries():
+  # The same block with the moments in bf16, rounded stochastically from
+  # one random word per leaf (quantization.encode(key=)): no step far
+  # larger than float32's.
+  rng = np.random.default_rng(1)
+  steps = 300
+  noise = rng.normal(size=(steps, 256)).astype(np.float32)
+  noise[1::2, 1:] = 0.0
+  grads = [noise * np.float32(c) for c in (1e-2, 1e-4)]
+  for g in grads:
+    g[:, 0] = noise[:, 0]
+  kw = dict(max_norm=None, sparsify=None)
+  fp32 = _max_updates(grpo_optax.grpo(1.0, **kw), grads, 50)
+  bf16 = _max_updates(
+    grpo_optax.grpo(
+      1.0, mu_format="bfloat16_sr", nu_format="bfloat16_sr", **kw
+    ),
+    grads,
+    50,
+  )
+  assert np.all(bf16 <= 2 * fp32), (bf16, fp32)
+
+
 def _digits_big_steps(steps, lr, **kw):
   """Entry-steps with |update| > 10 lr training a 64-512-10 ReLU MLP on
   sklearn's digits (minibatches of 128), and the largest |update|.
