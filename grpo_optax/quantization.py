@@ -469,7 +469,7 @@ def stored_absmax(fmt: FormatLike, stored: Quantized) -> jax.Array:
 def _round_bf16_stochastic(x: jax.Array, bits: jax.Array) -> jax.Array:
   """bf16 rounding up or down with probabilities that make it unbiased.
 
-  Adds a uniform 16-bit integer (the low half of ``bits``) to the low half
+  Adds a uniform 16-bit integer (the high half of ``bits``) to the low half
   of the float32 bits and truncates: ``x`` between two bf16 neighbours
   ``a < x < b`` becomes ``b`` with probability ``(x - a) / (b - a)``.
   Infinities stay infinite (their low half is 0, so the noise never
@@ -477,7 +477,7 @@ def _round_bf16_stochastic(x: jax.Array, bits: jax.Array) -> jax.Array:
   """
   x = x.astype(jnp.float32)
   word = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  rounded = (word + (bits & np.uint32(0xFFFF))) & np.uint32(0xFFFF0000)
+  rounded = (word + (bits >> np.uint32(16))) & np.uint32(0xFFFF0000)
   nan = (word & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
   rounded = jax.lax.select(nan, jnp.full_like(word, 0x7FC00000), rounded)
   # The rounded float32 is a bf16 value, so the final cast is exact. It is
