@@ -488,7 +488,7 @@ def bisect_thresholds(samples: list[jax.Array], fraction):
 def _flat_is_local(x: jax.Array) -> bool:
   """Whether flattening ``x`` (row-major) moves no entry between devices:
   on one device, or on an Explicit mesh where only its first axis is
-  sharded. A count over one flat axis runs at 2.5x the speed of one over
+  sharded. A count over one flat axis runs at 1.5x the speed of one over
   the sample's grid axes on XLA:CPU (25 samples of a 21M-parameter tree,
   31 halvings: 0.90 vs 1.35 ms).
   """
@@ -498,7 +498,7 @@ def _flat_is_local(x: jax.Array) -> bool:
   return spec is not None and all(s is None for s in spec[1:])
 
 
-def _bisect_rows(stacked: jax.Array, fraction, flat: bool = False):
+def _bisect_rows(stacked: jax.Array, fraction, flat: bool):
   """:func:`bisect_thresholds` of each row of ``stacked`` (axis 0), counted
   over one flat axis when ``flat``.
 
@@ -524,14 +524,14 @@ def _bisect_rows(stacked: jax.Array, fraction, flat: bool = False):
   def body(_, carry):
     lo, hi, c_lo = carry
     mid = lo + jax.lax.shift_right_logical(hi - lo, one)
-    # Counted in float32, exact (a sample has at most 2^24 entries), which
+    # Summed in float32, exact (a sample has at most 2^24 entries), which
     # XLA:CPU vectorizes; an int32 sum of the same mask ran 1.7x slower.
     count = jnp.sum(
       (bits >= jax.lax.broadcast_in_dim(mid, bits.shape, (0,))).astype(
         jnp.float32
       ),
       axis=axes,
-    )
+    ).astype(jnp.int32)
     ok = count >= target
     return (
       jax.lax.select(ok, mid, lo),
@@ -540,15 +540,14 @@ def _bisect_rows(stacked: jax.Array, fraction, flat: bool = False):
     )
 
   start = tuple(
-    _varying_like(jnp.full((rows,), v, dtype), bits, target)
-    for v, dtype in (
-      (0, jnp.int32),
-      (_BITS_INF + 1, jnp.int32),
-      (m, jnp.float32),
-    )
+    _varying_like(jnp.full((rows,), v, jnp.int32), bits, target)
+    for v in (0, _BITS_INF + 1, m)
   )
   lo, _, count = jax.lax.fori_loop(0, 31, body, start)
-  return jax.lax.bitcast_convert_type(lo, jnp.float32), count / m
+  return (
+    jax.lax.bitcast_convert_type(lo, jnp.float32),
+    count.astype(jnp.float32) / m,
+  )
 
 
 def sampled_thresholds(

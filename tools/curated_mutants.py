@@ -648,8 +648,8 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "topk_bisection_kept_over_target",
     "grpo_optax/sparsify.py",
-    "jnp.float32), count / m",
-    "jnp.float32), count / target",
+    "count.astype(jnp.float32) / m,",
+    "count.astype(jnp.float32) / target,",
     ("tests/test_fused.py::test_kept_fraction_of_the_sampled_top_k",),
     "kept fraction from the bisection's count divided by the target count,"
     " not the sample size",
