@@ -140,7 +140,16 @@ def _clipped_bounds(fmt, *, g_leaves, p_leaves, clip, norm, names):
 
 
 def _input_bounds(
-  fmt, *, clipped, mask, accumulator, thresholds, a_leaves, treedef, names
+  fmt,
+  *,
+  clipped,
+  mask,
+  accumulator,
+  acc_maxima,
+  thresholds,
+  a_leaves,
+  treedef,
+  names,
 ):
   r"""Per leaf, each 8-bit block's largest ``|m|``, ``m`` the masked gradient
   the moments read, equal to the chain's
@@ -151,7 +160,9 @@ def _input_bounds(
   so a block's largest ``|m|`` is its largest ``|a|`` when that is at least
   :math:`\theta`, else 0. A block's largest ``|a|``: on a leaf with error
   feedback, the new accumulator's (``a`` is what it stores; from the codes
-  when stored in 8 bits: :func:`~grpo_optax.quantization.stored_absmax`);
+  when stored in 8 bits: :func:`~grpo_optax.quantization.stored_absmax`,
+  as ``acc_maxima`` holds it from the encode,
+  :func:`~grpo_optax.quantization.encode_with_absmax`);
   on any other leaf ``a = x``, the clipped gradient (``clipped(fmt)``:
   ``_clipped_bounds``). One of the old accumulator would make XLA copy
   the donated buffer before overwriting it, one of ``m`` would make it
@@ -185,7 +196,9 @@ def _input_bounds(
     else:
       acc_fmt = quantization.state_format("int8_sr")
       stored = quantization.Quantized(acc_codes[i], acc_scales[i])
-      if acc_fmt.block_size == fmt.block_size:
+      if acc_fmt.block_size == fmt.block_size and acc_maxima[i] is not None:
+        b = acc_maxima[i]
+      elif acc_fmt.block_size == fmt.block_size:
         b = quantization.stored_absmax(acc_fmt, stored)
       else:
         decoded = quantization.decode(acc_fmt, stored)
@@ -250,10 +263,10 @@ def clip_mask_adam(
         names=names,
       )
     )
-    a_leaves, thr, mask_state = x_leaves, None, None
+    a_leaves, thr, mask_state, acc_maxima = x_leaves, None, None, None
     if mask is not None:
       acc_fmt = mask.accumulator_format
-      a_leaves, thr, mask_state = mask.threshold_phase(
+      a_leaves, thr, mask_state, acc_maxima = mask.threshold_phase(
         x_leaves,
         state.mask,
         treedef,
@@ -266,6 +279,7 @@ def clip_mask_adam(
       clipped=clipped,
       mask=mask,
       accumulator=None if mask_state is None else mask_state.accumulator,
+      acc_maxima=acc_maxima,
       thresholds=thr,
       a_leaves=a_leaves,
       treedef=treedef,

@@ -92,6 +92,7 @@ __all__ = (
   "bytes_per_entry",
   "decode",
   "encode",
+  "encode_with_absmax",
   "init",
   "scale_shape",
   "state_format",
@@ -376,7 +377,10 @@ def _encode_blocked(
   bits: jax.Array | None = None,
   scale: jax.Array | None = None,
   read_back: bool = False,
-) -> Quantized:
+) -> tuple[Quantized, jax.Array | None]:
+  """The stored array and, with ``read_back``, :func:`stored_absmax` of it
+  (None otherwise).
+  """
   # In level units: y = Q^p |x| / s lies in [0, Q^p] and code k stands for
   # k^p, so the two codes around y are lo = floor(y^(1/p)) and lo + 1, and
   # the nearest in value is lo + 1 iff y > (lo^p + (lo + 1)^p) / 2. About a
@@ -406,13 +410,22 @@ def _encode_blocked(
   q = jnp.where(up, lo + 1, lo)
   if fmt.dtype == jnp.int8:
     q = jnp.where(xb < 0, -q, q)
+  stored_max = None
   if read_back:
     # Through bf16 (exact: |q| <= 255 has 8 significant bits): XLA:CPU
     # counts a float32 -> bf16 cast as expensive and keeps it, so the codes,
     # in one kernel, which the readers of the codes then read.
     q = q.astype(jnp.bfloat16)
+    # The blocks' largest |code| from that bf16 array: a reduction of the
+    # int8 codes would have XLA:CPU write them out once more for it (1 byte
+    # per entry of temporaries) before the kernel that stores them.
+    hi = jnp.max(q, axis=-1).astype(jnp.float32)
+    if fmt.dtype == jnp.int8:
+      hi = jnp.maximum(hi, -jnp.min(q, axis=-1).astype(jnp.float32))
+    unit = absmax / np.float32(top)
+    stored_max = (_power(hi, fmt.power) * unit).reshape(scale_shape(fmt, shape))
   codes = _unblock(q.astype(fmt.dtype), pad, shape)
-  return Quantized(codes, absmax.reshape(scale_shape(fmt, shape)))
+  return Quantized(codes, absmax.reshape(scale_shape(fmt, shape))), stored_max
 
 
 def block_absmax(
@@ -559,10 +572,52 @@ def encode(
     _check_blocks_in_shards(fmt, x, "an array")
     return _encode_blocked(
       fmt, x, bits if fmt.stochastic else None, scale, read_back
-    )
+    )[0]
   if bits is not None and fmt.stochastic:
     return _round_bf16_stochastic(x, bits)
   return x.astype(fmt.dtype)
+
+
+def encode_with_absmax(
+  fmt: FormatLike,
+  x: jax.Array,
+  *,
+  bits: jax.Array | None = None,
+  scale: jax.Array | None = None,
+) -> tuple[Quantized, jax.Array]:
+  """``encode(fmt, x, bits=bits, scale=scale, read_back=True)`` and
+  :func:`stored_absmax` of the result (8-bit formats only).
+
+  Equal to the two calls, but the blocks' maxima are reduced from the exact
+  bf16 image of the codes that ``read_back`` makes: a reduction of the int8
+  codes has XLA:CPU write them out a second time (1 byte per entry of
+  temporaries, and its page faults) before the kernel that stores them.
+
+  Raises:
+    ValueError: if ``fmt`` is not block-wise 8-bit, or is stochastic and
+      ``bits`` is None.
+  """
+  fmt = state_format(fmt)
+  if not fmt.blocked:
+    raise ValueError(
+      f"encode_with_absmax: fmt must be a block-wise 8-bit format "
+      f"({', '.join(n for n in FORMAT_NAMES if state_format(n).blocked)}), "
+      f"got {fmt.name!r}."
+    )
+  if fmt.stochastic and bits is None:
+    raise ValueError(
+      f"format {fmt.name!r} rounds stochastically: `bits` must be a uint32 "
+      "array shaped like `x`, got None."
+    )
+  if fmt.exact(tuple(x.shape)):
+    stored = encode(fmt, x, bits=bits, scale=scale, read_back=True)
+    return stored, stored_absmax(fmt, stored)
+  _check_blocks_in_shards(fmt, x, "an array")
+  stored, maxima = _encode_blocked(
+    fmt, x, bits if fmt.stochastic else None, scale, True
+  )
+  assert maxima is not None
+  return stored, maxima
 
 
 def decode(fmt: FormatLike, stored: Any, *, floor: bool = False) -> jax.Array:

@@ -207,8 +207,11 @@ def store_accumulator(
   fmt: Any,
   word: jax.Array,
   bounds: list[Any] | None = None,
-) -> tuple[Any, list[jax.Array]]:
-  """The new stored accumulator and the values its readers must use.
+) -> tuple[Any, list[jax.Array], list[Any]]:
+  """The new stored accumulator, the values its readers must use and, per
+  leaf, the stored 8-bit blocks' largest ``|value|`` (as
+  :func:`~grpo_optax.quantization.stored_absmax` of it; None on a leaf that
+  is not encoded in 8 bits here).
 
   A leaf keeps ``a``, or 0 on a dense leaf (its threshold
   :data:`RESIDUAL_ONLY` makes the accumulator its residual; a statically
@@ -229,6 +232,7 @@ def store_accumulator(
     treedef.flatten_up_to(stored.scale) if _stored_format(stored) else old
   )
   new_stored, new_scales, read = [], [], list(a_leaves)
+  maxima: list[Any] = [None] * len(a_leaves)
   for i, (a, o, sc, d) in enumerate(zip(a_leaves, old, scales, dense)):
     if d is True:
       new_stored.append(o)
@@ -239,17 +243,17 @@ def store_accumulator(
       new_stored.append(value.astype(o.dtype))
       new_scales.append(sc)
       continue
-    enc = quantization.encode(
-      fmt,
-      value,
-      bits=_common.hash_bits(a.shape, word),
-      scale=None if bounds is None else bounds[i],
-      read_back=True,  # the mask and the update read the stored value
-    )
+    bits = _common.hash_bits(a.shape, word)
+    scale = None if bounds is None else bounds[i]
     if fmt.blocked:
+      # read back: the mask and the update read the stored value
+      enc, maxima[i] = quantization.encode_with_absmax(
+        fmt, value, bits=bits, scale=scale
+      )
       new_stored.append(enc.codes)
       new_scales.append(enc.scale)
     else:
+      enc = quantization.encode(fmt, value, bits=bits, read_back=True)
       new_stored.append(enc)
       new_scales.append(sc)
     dec = quantization.decode(fmt, enc).astype(a.dtype)
@@ -260,8 +264,9 @@ def store_accumulator(
         treedef.unflatten(new_stored), treedef.unflatten(new_scales)
       ),
       read,
+      maxima,
     )
-  return treedef.unflatten(new_stored), read
+  return treedef.unflatten(new_stored), read, maxima
 
 
 def accumulator_word(seed: Any, count: jax.Array) -> jax.Array:
@@ -930,7 +935,7 @@ class TopKMaskConfig(_mechanism.Config):
     leaves, treedef = jax.tree.flatten(updates)
     _check_leaves("top_k_mask", state, updates, leaves)
     if self.by_threshold:
-      a_leaves, thr, new_state = self.threshold_phase(leaves, state, treedef)
+      a_leaves, thr, new_state, _ = self.threshold_phase(leaves, state, treedef)
       return treedef.unflatten(
         _masked_outputs(a_leaves, thr, state, treedef)
       ), new_state
@@ -938,14 +943,15 @@ class TopKMaskConfig(_mechanism.Config):
 
   def threshold_phase(self, leaves, state, treedef, x_bounds=None):
     """The sampled top-k up to its thresholds: ``(a_leaves, thresholds,
-    new_state)``, with ``a`` the accumulated (and stored) gradients and one
-    threshold scalar per masked leaf (None on a leaf that passes dense).
+    new_state, maxima)``, with ``a`` the accumulated (and stored) gradients,
+    one threshold scalar per masked leaf (None on a leaf that passes dense)
+    and the 8-bit accumulator's blocks' maxima (:func:`store_accumulator`).
     The fused core of :func:`grpo_optax.grpo` calls it too, with
     ``x_bounds`` (see ``accumulator_scales``).
     """
     t = state.count
     dense = [dense_leaf(g.size, self.min_size) for g in leaves]
-    a_leaves, stored = _accumulated(
+    a_leaves, stored, maxima = _accumulated(
       self, leaves, state, treedef, dense, x_bounds
     )
     frac = warmup_fraction(self.fraction, self.warmup_steps, t)
@@ -960,6 +966,7 @@ class TopKMaskConfig(_mechanism.Config):
         frequency=None,
         kept_fraction=_kept(state, found.kept, leaves),
       ),
+      maxima,
     )
 
   def _score_update(self, leaves, state, treedef):
@@ -994,7 +1001,7 @@ class TopKMaskConfig(_mechanism.Config):
       residuals.append(res)
     stored = None
     if self.error_feedback:
-      stored, _ = store_accumulator(
+      stored, _, _ = store_accumulator(
         residuals,
         state.accumulator,
         treedef,
@@ -1070,15 +1077,15 @@ def accumulator_scales(cfg, x_leaves, state, treedef, dense, x_bounds=None):
 
 
 def _accumulated(cfg, leaves, state, treedef, dense, x_bounds=None):
-  """``(a_leaves, stored)``: the accumulated gradients as the masks read them
-  (:func:`store_accumulator`) and the new stored accumulator (None without
-  error feedback).
+  """``(a_leaves, stored, maxima)``: the accumulated gradients as the masks
+  read them, the new stored accumulator (None without error feedback) and
+  its 8-bit blocks' maxima (:func:`store_accumulator`).
   """
   accs = _read_or_none(cfg, state, treedef, len(leaves))
   a_leaves = accumulate_leaves(leaves, accs, state.thresholds, dense)
   if not cfg.error_feedback:
-    return a_leaves, None
-  stored, a_leaves = store_accumulator(
+    return a_leaves, None, [None] * len(leaves)
+  stored, a_leaves, maxima = store_accumulator(
     a_leaves,
     state.accumulator,
     treedef,
@@ -1087,7 +1094,7 @@ def _accumulated(cfg, leaves, state, treedef, dense, x_bounds=None):
     accumulator_word(cfg.seed, state.count),
     accumulator_scales(cfg, leaves, state, treedef, dense, x_bounds),
   )
-  return a_leaves, stored
+  return a_leaves, stored, maxima
 
 
 def _kept(state, kept, leaves):
@@ -1376,18 +1383,18 @@ class EmaThresholdMaskConfig(_mechanism.Config):
     del params, extra_args
     leaves, treedef = jax.tree.flatten(updates)
     _check_leaves("ema_threshold_mask", state, updates, leaves)
-    a_leaves, thr, new_state = self.threshold_phase(leaves, state, treedef)
+    a_leaves, thr, new_state, _ = self.threshold_phase(leaves, state, treedef)
     return treedef.unflatten(
       _masked_outputs(a_leaves, thr, state, treedef)
     ), new_state
 
   def threshold_phase(self, leaves, state, treedef, x_bounds=None):
     """The EMA threshold up to its thresholds: ``(a_leaves, thresholds,
-    new_state)`` as :meth:`TopKMaskConfig.threshold_phase`.
+    new_state, maxima)`` as :meth:`TopKMaskConfig.threshold_phase`.
     """
     t = state.count
     dense = [dense_leaf(g.size, self.min_size) for g in leaves]
-    a_leaves, stored = _accumulated(
+    a_leaves, stored, maxima = _accumulated(
       self, leaves, state, treedef, dense, x_bounds
     )
     found, tau = threshold_leaf_thresholds(
@@ -1411,6 +1418,7 @@ class EmaThresholdMaskConfig(_mechanism.Config):
         tau=tau + 0 * state.tau,
         kept_fraction=_kept(state, kept, leaves),
       ),
+      maxima,
     )
 
 

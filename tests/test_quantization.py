@@ -298,3 +298,35 @@ def test_sharded_round_trip_keeps_sharding_without_collectives():
   np.testing.assert_allclose(
     dec, qz.decode(fmt, qz.encode(fmt, np.asarray(x))), rtol=1e-6, atol=0
   )
+
+
+@pytest.mark.parametrize("name", ["int8", "int8_sr", "uint8"])
+@pytest.mark.parametrize("shape", [(6, 700), (3, 4096), (2, 100)])
+def test_encode_with_absmax_is_encode_and_stored_absmax(name, shape):
+  # (6, 700): a padded last block; (2, 100): small, stored exactly; the
+  # maxima come from the codes' bf16 image and must equal those of the codes.
+  fmt = qz.state_format(name)
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_t(2, size=shape).astype(np.float32))
+  x = x.at[0, :256].set(0.0)  # an all-zero block: scale and maxima 0
+  bits = jnp.asarray(rng.integers(0, 2**32, size=shape, dtype=np.uint32))
+  scale = qz.block_absmax(fmt, x) * 1.5  # a bound, as the optimizer passes
+  for s in (None, scale):
+    got, maxima = jax.jit(
+      lambda x, b, s: qz.encode_with_absmax(fmt, x, bits=b, scale=s)
+    )(x, bits, s)
+    want = qz.encode(fmt, x, bits=bits, scale=s, read_back=True)
+    np.testing.assert_array_equal(got.codes, want.codes)
+    np.testing.assert_array_equal(got.scale, want.scale)
+    np.testing.assert_array_equal(maxima, qz.stored_absmax(fmt, want))
+    assert maxima.shape == qz.scale_shape(fmt, shape)
+    dec = np.abs(np.asarray(qz.decode(fmt, want)))
+    assert float(np.max(maxima)) == float(dec.max())
+
+
+def test_encode_with_absmax_refuses_float_formats_and_missing_bits():
+  x = jnp.ones((4, 4096))
+  with pytest.raises(ValueError, match="block-wise 8-bit format.*'bfloat16'"):
+    qz.encode_with_absmax("bfloat16", x)
+  with pytest.raises(ValueError, match="'int8_sr' rounds stochastically"):
+    qz.encode_with_absmax("int8_sr", x)

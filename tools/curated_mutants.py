@@ -617,12 +617,12 @@ MUTANTS: list[Mutant] = [
     "threshold_min_size_ignored",
     "grpo_optax/sparsify.py",
     "dense = [dense_leaf(g.size, self.min_size) for g in leaves]\n"
-    "    a_leaves, stored = _accumulated(\n"
+    "    a_leaves, stored, maxima = _accumulated(\n"
     "      self, leaves, state, treedef, dense, x_bounds\n"
     "    )\n"
     "    found, tau = threshold_leaf_thresholds(",
     "dense = [False for g in leaves]\n"
-    "    a_leaves, stored = _accumulated(\n"
+    "    a_leaves, stored, maxima = _accumulated(\n"
     "      self, leaves, state, treedef, dense, x_bounds\n"
     "    )\n"
     "    found, tau = threshold_leaf_thresholds(",
@@ -896,8 +896,8 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "fused_accumulator_stores_the_gradient",
     "grpo_optax/sparsify.py",
-    "stored, a_leaves = store_accumulator(\n    a_leaves,",
-    "stored, _ = store_accumulator(\n    leaves,",
+    "stored, a_leaves, maxima = store_accumulator(\n    a_leaves,",
+    "stored, _, maxima = store_accumulator(\n    leaves,",
     T_FUSED + sp("test_error_feedback_loses_nothing"),
     "the accumulator holds g, not g + r (sparsify._accumulated, which the"
     " fused core's threshold_phase and both masks call)",
@@ -906,12 +906,12 @@ MUTANTS: list[Mutant] = [
     "fused_min_size_ignored",
     "grpo_optax/sparsify.py",
     "dense = [dense_leaf(g.size, self.min_size) for g in leaves]\n"
-    "    a_leaves, stored = _accumulated(\n"
+    "    a_leaves, stored, maxima = _accumulated(\n"
     "      self, leaves, state, treedef, dense, x_bounds\n"
     "    )\n"
     "    frac = warmup_fraction(",
     "dense = [False for g in leaves]\n"
-    "    a_leaves, stored = _accumulated(\n"
+    "    a_leaves, stored, maxima = _accumulated(\n"
     "      self, leaves, state, treedef, dense, x_bounds\n"
     "    )\n"
     "    frac = warmup_fraction(",
