@@ -41,13 +41,17 @@ class ScaleByNesterovAdamRmsState(NamedTuple):
     return {}
 
 
-def nesterov_moment(mu, g, b1, bc1, bc1_next):
-  """NAdam's look-ahead ``b1 mu / bc1_next + (1 - b1) g / bc1``.
+def nesterov_moment(mu, g, c_mu, c_g):
+  """NAdam's look-ahead ``b1 mu / bc1_next + (1 - b1) g / bc1`` as
+  ``c_mu mu + c_g g``, with the step's coefficients ``c_mu = b1 / bc1_next``
+  and ``c_g = (1 - b1) / bc1`` (:func:`step_scalars`).
 
   ``bc1 = 1 - b1^(t+1)``, ``bc1_next = 1 - b1^(t+2)`` (``t`` = count before
-  the step), as ``optax.scale_by_adam(nesterov=True)``.
+  the step), as ``optax.scale_by_adam(nesterov=True)``; the scalar
+  quotients are taken once per step, not once per entry (within float32
+  rounding of optax's per-entry divisions).
   """
-  return b1 * (mu / bc1_next) + (1 - b1) * (g / bc1)
+  return c_mu * mu + c_g * g
 
 
 def adam_rms_mix(mu_hat, nu_hat, nu_rms, g, eps, eps_root, adam_weight):
@@ -162,27 +166,43 @@ def adam_leaf(
 ):
   """One leaf's moments and adaptive update: ``(mu, nu, update)``.
 
-  ``hyper``: the step's scalars ``(b1, b2, eps, eps_root, adam_weight, bc1,
-  bc2, bc1_next)``; ``weight``: the Adam weight when it is static (a weight
-  of 1 or 0 leaves the other term out of the program). The mechanism's math
-  for one leaf, used by :func:`scale_by_nesterov_adam_rms` and by the fused
-  core of :func:`grpo_optax.grpo`. Jitted, so that leaves of one shape share
-  one trace and one lowered function (XLA inlines the calls): tracing each
+  ``hyper``: the step's scalars (:func:`step_scalars`); ``weight``: the
+  Adam weight when it is static (a weight of 1 or 0 leaves the other term
+  out of the program). The mechanism's math for one leaf, used by
+  :func:`scale_by_nesterov_adam_rms` and by the fused core of
+  :func:`grpo_optax.grpo`. Jitted, so that leaves of one shape share one
+  trace and one lowered function (XLA inlines the calls): tracing each
   leaf's two dozen operations anew was a third of the update's compile time.
+  Every scalar quotient and difference (``1 - b1``, ``1 / bc2``, ...) is
+  taken once per step in :func:`step_scalars`: per leaf, each was an
+  instruction more for XLA to simplify and fuse, and the instruction count
+  is what the update's compile time follows.
   """
-  b1, b2, eps, eps_root, adam_weight, bc1, bc2, bc1_next = hyper
+  (
+    b1,
+    b2,
+    eps,
+    eps_root,
+    adam_weight,
+    omb1,
+    omb2,
+    c_mu,
+    c_g,
+    inv_bc1,
+    inv_bc2,
+  ) = hyper
   # Moments stored wider than the gradient (float16 params) get the gradient
   # in their dtype before it is squared.
   m = g.astype(jnp.promote_types(g.dtype, nu.dtype))
-  mu_new = _common.ema(mu, m, b1)
-  nu_new = _common.ema(nu, _common.abs_sq(m), b2)
+  mu_new = b1 * mu + omb1 * m
+  nu_new = b2 * nu + omb2 * _common.abs_sq(m)
   if nesterov:
     mu_hat = nesterov_moment(
-      mu_new, m, b1, bc1.astype(mu_new.dtype), bc1_next.astype(mu_new.dtype)
+      mu_new, m, c_mu.astype(mu_new.dtype), c_g.astype(mu_new.dtype)
     )
   else:
-    mu_hat = mu_new / bc1.astype(mu_new.dtype)
-  nu_hat = nu_new / bc2.astype(nu_new.dtype)
+    mu_hat = mu_new * inv_bc1.astype(mu_new.dtype)
+  nu_hat = nu_new * inv_bc2.astype(nu_new.dtype)
   u = adam_rms_mix(
     mu_hat,
     nu_hat,
@@ -197,21 +217,30 @@ def adam_leaf(
 
 def step_scalars(cfg: ScaleByNesterovAdamRmsConfig, count: jax.Array):
   """``(count + 1, hyper)``: the scalars of :func:`adam_leaf` for the step
-  whose count before it is ``count``.
+  whose count before it is ``count``, float32: ``(b1, b2, eps, eps_root,
+  adam_weight, 1 - b1, 1 - b2, b1 / bc1_next, (1 - b1) / bc1, 1 / bc1,
+  1 / bc2)`` with ``bc = 1 - b^(count + 1)`` and ``bc1_next = 1 -
+  b1^(count + 2)``.
   """
   t1 = _common.safe_increment(count)
   bc1 = _common.bias_correction(cfg.b1, t1)
   bc2 = _common.bias_correction(cfg.b2, t1)
   bc1_next = _common.bias_correction(cfg.b1, _common.safe_increment(t1))
+  f = lambda x: jnp.asarray(x, jnp.float32)
+  b1, b2 = f(cfg.b1), f(cfg.b2)
+  omb1, omb2 = 1 - b1, 1 - b2
   hyper = (
-    cfg.b1,
-    cfg.b2,
+    b1,
+    b2,
     cfg.eps,
     cfg.eps_root,
     cfg.adam_weight,
-    bc1,
-    bc2,
-    bc1_next,
+    omb1,
+    omb2,
+    b1 / bc1_next,
+    omb1 / bc1,
+    1 / bc1,
+    1 / bc2,
   )
   return t1, hyper
 

@@ -752,8 +752,8 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "nesterov_gradient_bias_correction_step",
     "grpo_optax/momentum.py",
-    "return b1 * (mu / bc1_next) + (1 - b1) * (g / bc1)",
-    "return b1 * (mu / bc1_next) + (1 - b1) * (g / bc1_next)",
+    "omb1 / bc1,",
+    "omb1 / bc1_next,",
     T_MOM + T_FUSED,
     "Nesterov's gradient term corrected with 1 - b1^(t+2)",
   ),
@@ -776,10 +776,10 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "second_moment_decay_b1",
     "grpo_optax/momentum.py",
-    "nu_new = _common.ema(nu, _common.abs_sq(m), b2)",
-    "nu_new = _common.ema(nu, _common.abs_sq(m), b1)",
+    "nu_new = b2 * nu + omb2 * _common.abs_sq(m)",
+    "nu_new = b1 * nu + omb1 * _common.abs_sq(m)",
     T_MOM + T_FUSED,
-    "second moment decays with b1 (adam_leaf: both forms)",
+    "second moment decays with b1 (adam_leaf)",
   ),
   Mutant(
     "moment_dtype_float16_not_widened",
@@ -847,7 +847,7 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "fused_mu_not_bias_corrected",
     "grpo_optax/momentum.py",
-    "mu_hat = mu_new / bc1.astype(mu_new.dtype)",
+    "mu_hat = mu_new * inv_bc1.astype(mu_new.dtype)",
     "mu_hat = mu_new",
     T_FUSED + T_MOM,
     "plain Adam's first moment without bias correction"
