@@ -59,10 +59,14 @@ def _moments_leaf(g, mu, nu, gv, decay, bc, *, reduction, normalize):
   if gv is not None:
     var = jnp.maximum(jnp.asarray(gv, jnp.float32), 0.0)
   else:
+    # The floor 0 as ``0 * bc``, a runtime scalar: XLA:CPU's reduction
+    # fusion takes a broadcast constant as an array operand, and one zeros
+    # array per leaf shape (shared by its leaves) was written out and read
+    # every step (4 bytes per parameter, and a kernel per shape).
     var = jnp.maximum(
       nu_new.astype(jnp.float32) / bc
       - jnp.square(mu_new.astype(jnp.float32) / bc),
-      0.0,
+      jnp.float32(0) * bc,
     )
   nu_hat = nu_new.astype(jnp.float32) / bc if normalize else None
   if reduction != "element":

@@ -5,12 +5,14 @@ of an empty tree (survivors of cosmic-ray's operators, tools/mutants.py
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compile_options import USER_DEFAULT
 
 import grpo_optax
 
@@ -243,3 +245,30 @@ def test_metrics_of_a_tree_without_elements(tree):
   tx = grpo_optax.scale_by_variance_lr()
   _, state = tx.update(tree, tx.init(tree))
   assert float(state.lr_scale) == 1.0 and float(state.variance) == 0.0
+
+
+@pytest.mark.parametrize("preset", [False, True])
+def test_no_parameter_sized_constant_array_in_the_compiled_update(preset):
+  # The variance's floor max(., 0) inside each leaf's reduction: XLA:CPU's
+  # reduction fusion took the broadcast 0 as an array operand, so one zeros
+  # array per leaf shape (shared by the leaves of that shape) was written
+  # out and read every step.
+  params = {
+    "a": jnp.ones((64, 256)),
+    "b": jnp.ones((64, 256)),
+    "c": jnp.ones((256,)),
+  }
+  tx = (
+    grpo_optax.grpo(1e-3, **grpo_optax.ARTICLE_DEFAULTS)
+    if preset
+    else optax.chain(grpo_optax.scale_by_variance_lr(), optax.sgd(1e-3))
+  )
+  state = tx.init(params)
+  text = (
+    jax.jit(tx.update)
+    .lower(params, state, params)
+    .compile(compiler_options=USER_DEFAULT)
+    .as_text()
+  )
+  filled = re.findall(r"= f32\[64,256\]\{1,0\} fusion\(%constant[^)]*\)", text)
+  assert not filled, filled
