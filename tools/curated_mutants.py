@@ -130,7 +130,7 @@ MUTANTS: list[Mutant] = [
     "var = jnp.maximum(\n"
     "      nu_new.astype(jnp.float32) / bc\n"
     "      - jnp.square(mu_new.astype(jnp.float32) / bc),\n"
-    "      0.0,\n"
+    "      jnp.float32(0) * bc,\n"
     "    )",
     "var = (\n"
     "      nu_new.astype(jnp.float32) / bc\n"
