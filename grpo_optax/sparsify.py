@@ -945,7 +945,7 @@ class TopKMaskConfig(_mechanism.Config):
     """The sampled top-k up to its thresholds: ``(a_leaves, thresholds,
     new_state, maxima)``, with ``a`` the accumulated (and stored) gradients,
     one threshold scalar per masked leaf (None on a leaf that passes dense)
-    and the 8-bit accumulator's blocks' maxima (:func:`store_accumulator`).
+    and the 8-bit accumulator's blocks' maxima (``store_accumulator``).
     The fused core of :func:`grpo_optax.grpo` calls it too, with
     ``x_bounds`` (see ``accumulator_scales``).
     """
