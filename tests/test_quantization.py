@@ -318,10 +318,14 @@ def test_encode_with_absmax_is_encode_and_stored_absmax(name, shape):
     want = qz.encode(fmt, x, bits=bits, scale=s, read_back=True)
     np.testing.assert_array_equal(got.codes, want.codes)
     np.testing.assert_array_equal(got.scale, want.scale)
-    np.testing.assert_array_equal(maxima, qz.stored_absmax(fmt, want))
+    # Equal up to one float32 rounding of the per-block scale factor: jax
+    # 0.10.0's XLA folds the jitted product differently from the eager one.
+    np.testing.assert_allclose(
+      maxima, qz.stored_absmax(fmt, want), rtol=3e-7, atol=0
+    )
     assert maxima.shape == qz.scale_shape(fmt, shape)
     dec = np.abs(np.asarray(qz.decode(fmt, want)))
-    assert float(np.max(maxima)) == float(dec.max())
+    np.testing.assert_allclose(np.max(maxima), dec.max(), rtol=3e-7)
 
 
 def test_encode_with_absmax_refuses_float_formats_and_missing_bits():
