@@ -196,10 +196,8 @@ def _input_bounds(
     else:
       acc_fmt = quantization.state_format("int8_sr")
       stored = quantization.Quantized(acc_codes[i], acc_scales[i])
-      if acc_fmt.block_size == fmt.block_size and acc_maxima[i] is not None:
-        b = acc_maxima[i]
-      elif acc_fmt.block_size == fmt.block_size:
-        b = quantization.stored_absmax(acc_fmt, stored)
+      if acc_fmt.block_size == fmt.block_size:
+        b = acc_maxima[i]  # stored_absmax of the new codes, from the encode
       else:
         decoded = quantization.decode(acc_fmt, stored)
         b = quantization.block_absmax(fmt, decoded, name=name)

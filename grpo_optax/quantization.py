@@ -419,11 +419,7 @@ def _encode_blocked(
     # The blocks' largest |code| from that bf16 array: a reduction of the
     # int8 codes would have XLA:CPU write them out once more for it (1 byte
     # per entry of temporaries) before the kernel that stores them.
-    hi = jnp.max(q, axis=-1).astype(jnp.float32)
-    if fmt.dtype == jnp.int8:
-      hi = jnp.maximum(hi, -jnp.min(q, axis=-1).astype(jnp.float32))
-    unit = absmax / np.float32(top)
-    stored_max = (_power(hi, fmt.power) * unit).reshape(scale_shape(fmt, shape))
+    stored_max = _largest_value(fmt, q, absmax.reshape(scale_shape(fmt, shape)))
   codes = _unblock(q.astype(fmt.dtype), pad, shape)
   return Quantized(codes, absmax.reshape(scale_shape(fmt, shape))), stored_max
 
@@ -471,10 +467,18 @@ def stored_absmax(fmt: FormatLike, stored: Quantized) -> jax.Array:
   if jnp.issubdtype(stored.codes.dtype, jnp.floating):  # stored exactly
     return block_absmax(fmt, stored.codes)
   qb, _ = _blocks(fmt, stored.codes)
+  return _largest_value(fmt, qb, stored.scale)
+
+
+def _largest_value(fmt: StateFormat, qb: jax.Array, scale: jax.Array):
+  """Each block's largest decoded ``|value|`` from its codes ``qb`` (blocked,
+  ``(..., num_blocks, B)``: the int8 codes or their exact bf16 image) and
+  the scales: ``(max |q|)^p s / Q^p`` (decoding is monotone in ``|q|``).
+  """
   hi = jnp.max(qb, axis=-1).astype(jnp.int32)
   if fmt.dtype == jnp.int8:
     hi = jnp.maximum(hi, -jnp.min(qb, axis=-1).astype(jnp.int32))
-  unit = stored.scale / np.float32(float(fmt.levels) ** fmt.power)
+  unit = scale / np.float32(float(fmt.levels) ** fmt.power)
   mag = _power(hi.astype(jnp.float32), fmt.power)
   return mag.reshape(unit.shape) * unit
 
