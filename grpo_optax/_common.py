@@ -12,6 +12,7 @@ argument, the expected type and the value, rather than failing later inside
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 from typing import cast
@@ -413,6 +414,14 @@ def grid_sample(
     # lax.slice, not x[::s]: NumPy indexing of a concrete sharded array
     # (outside jit) becomes a gather, which an Explicit mesh refuses.
     return jax.lax.slice(x, (0,) * x.ndim, x.shape, strides)
+  return _offset_grid(x, tuple(strides), list(offsets))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _offset_grid(x: jax.Array, strides: tuple[int, ...], offsets) -> jax.Array:
+  """:func:`grid_sample` with traced offsets, jitted: leaves of one shape
+  share one trace.
+  """
   shape, starts, sizes = [], [], []
   for d, (n, s) in enumerate(zip(x.shape, strides)):
     shape += [n // s, s]
@@ -430,7 +439,9 @@ def grid_sample(
         jax.sharding.PartitionSpec(*[e for axis in spec for e in (axis, None)]),
       ),
     )
-  y = jax.lax.dynamic_slice(y, starts, sizes)
+  # The offsets are non-negative: no wrapping of negative indices (four
+  # traced operations per axis at trace time and in every sample kernel).
+  y = jax.lax.dynamic_slice(y, starts, sizes, allow_negative_indices=False)
   return jax.lax.squeeze(y, tuple(range(1, 2 * x.ndim, 2)))
 
 
@@ -475,10 +486,13 @@ def add_pairwise(xs: tuple[Any, ...], ys: tuple[Any, ...]) -> tuple[Any, ...]:
   return tuple(x + y for x, y in zip(xs, ys))
 
 
+@jax.jit
 def _split_reduce(x: jax.Array) -> list[jax.Array]:
   """The ``m`` columns of ``x`` (shape ``(..., m)``) as ``m`` arrays, by one
   variadic sum over the last axis: output ``j`` sums column ``j`` and
-  ``-0.0`` (or 0) elsewhere, which is column ``j`` exactly.
+  ``-0.0`` (or 0) elsewhere, which is column ``j`` exactly. Jitted: the
+  columns of one unstacking share a shape, hence one trace (``2 m``
+  operations each, traced once instead of once per column).
   """
   m = x.shape[-1]
   zero = jnp.asarray(

@@ -78,9 +78,11 @@ def split_by_mask(a: Any, keep: Any) -> tuple[Any, Any]:
   return jnp.where(keep, a, zero), jnp.where(keep, zero, a)
 
 
+@jax.jit
 def masked_part(a: Any, threshold: Any) -> Any:
   """``a`` where ``|a| >= threshold``, else 0: the kept part of
-  :func:`keep_mask` (an exact zero is 0 either way).
+  :func:`keep_mask` (an exact zero is 0 either way). Jitted: leaves of one
+  shape share one trace.
   """
   thr = jnp.asarray(threshold).astype(a.dtype)
   return jnp.where(jnp.abs(a) >= thr, a, jnp.zeros_like(a))
@@ -358,37 +360,42 @@ def random_words(seed: Any, count: jax.Array, n: int) -> list[jax.Array]:
   ]
 
 
-def _mod(x: jax.Array, n: int) -> jax.Array:
-  """``x mod n`` for a uint32 ``x`` and a static ``n >= 1``, as XLA would
-  rewrite it (a mask for a power of two), not ``jnp``'s ``%`` with its guard
-  against 0.
-  """
-  if n & (n - 1) == 0:
-    return x & jnp.uint32(n - 1)
-  return jax.lax.rem(x, jnp.uint32(n))
-
-
 def _random_offsets(seed: Any, count: jax.Array, strides_list) -> list[Any]:
   """One draw per step; axis ``d`` of every leaf reads word ``d mod 8``.
 
   A leaf's offsets depend on its shape and the draw only (not on which
   other leaves are sampled), and leaves of one shape share them, which keeps
-  the compiled program small.
+  the compiled program small. Every offset of the step is computed in one
+  vector (word ``d mod 8`` modulo the stride) and read back as scalars by
+  :func:`grpo_optax._common.unstack`: computed as scalars, XLA fused the
+  hash (about 50 instructions) into every leaf's sample kernel.
   """
   if not any(any(s > 1 for s in st) for st in strides_list):
     return [None] * len(strides_list)
+  lanes, moduli, where = [], [], {}
+  for strides in strides_list:
+    for d, s in enumerate(strides):
+      key = (d % _OFFSET_BITS, s)
+      if s > 1 and key not in where:
+        where[key] = len(lanes)
+        lanes.append(key[0])
+        moduli.append(s)
   words = random_words(seed, count, _OFFSET_BITS)
-  out, memo = [], {}
+  drawn = jax.lax.rem(
+    jnp.stack([words[lane] for lane in lanes]),
+    jnp.asarray(moduli, jnp.uint32),
+  ).astype(jnp.int32)
+  scalars = _common.unstack(drawn)
+  zero = jnp.zeros((), jnp.int32)
+  out = []
   for strides in strides_list:
     if all(s == 1 for s in strides):
       out.append(None)
       continue
-    if strides not in memo:  # leaves of one shape share one computation
-      memo[strides] = [
-        _mod(words[d % _OFFSET_BITS], s).astype(jnp.int32)
-        for d, s in enumerate(strides)
-      ]
-    out.append(memo[strides])
+    out.append([
+      scalars[where[(d % _OFFSET_BITS, s)]] if s > 1 else zero
+      for d, s in enumerate(strides)
+    ])
   return out
 
 
