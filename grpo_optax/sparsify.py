@@ -392,10 +392,12 @@ def _random_offsets(seed: Any, count: jax.Array, strides_list) -> list[Any]:
     if all(s == 1 for s in strides):
       out.append(None)
       continue
-    out.append([
-      scalars[where[(d % _OFFSET_BITS, s)]] if s > 1 else zero
-      for d, s in enumerate(strides)
-    ])
+    out.append(
+      [
+        scalars[where[(d % _OFFSET_BITS, s)]] if s > 1 else zero
+        for d, s in enumerate(strides)
+      ]
+    )
   return out
 
 
