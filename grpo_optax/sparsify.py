@@ -273,7 +273,7 @@ def store_accumulator(
 
 def accumulator_word(seed: Any, count: jax.Array) -> jax.Array:
   """The step's uint32 word of the accumulator's rounding noise."""
-  return random_words(seed, count, _ACC_LANE + 1)[_ACC_LANE]
+  return random_words(seed, count, [_ACC_LANE]).reshape(())
 
 
 def ema_threshold(
@@ -336,15 +336,17 @@ def sample_size(n: int) -> int:
 _OFFSET_BITS = 8  # one random word per axis position (axes >= 8 wrap)
 
 
-def random_words(seed: Any, count: jax.Array, n: int) -> list[jax.Array]:
-  """``n`` pseudo-random uint32 scalars drawn from ``(seed, count)``.
+def random_words(seed: Any, count: jax.Array, lanes) -> jax.Array:
+  """Pseudo-random uint32 words drawn from ``(seed, count)``, one per lane
+  of ``lanes`` (static ints; equal lanes give equal words), as a vector.
 
-  A counter-based hash of scalars (no PRNG state, no loop, no vector to
-  slice, constants on the right): ``jax.random``'s threefry lowers to a
-  ``while`` loop, and a loop, a scalar sliced out of a vector or an
+  A counter-based hash (no PRNG state, no loop, constants on the right):
+  ``jax.random``'s threefry lowers to a ``while`` loop, and a loop or an
   expression XLA folds or reorders makes its simplification passes run to
   their fixed point once more over the whole update (each round costs about
-  as much as compiling ``optax.adam``).
+  as much as compiling ``optax.adam``). One vector, not a scalar per lane:
+  traced once, and one kernel that the per-leaf kernels read from
+  (:func:`_random_offsets`).
   """
   if isinstance(seed, (int, np.integer)):
     with np.errstate(over="ignore"):
@@ -354,10 +356,10 @@ def random_words(seed: Any, count: jax.Array, n: int) -> list[jax.Array]:
       jnp.asarray(seed).astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9)
     )
   c = _common.mix32(count.astype(jnp.uint32) * jnp.uint32(0x85EBCA77) + s)
-  return [
-    _common.mix32(c + jnp.uint32((0xC2B2AE3D * (i + 1)) & 0xFFFFFFFF))
-    for i in range(n)
-  ]
+  salts = np.asarray(
+    [(0xC2B2AE3D * (i + 1)) & 0xFFFFFFFF for i in lanes], np.uint32
+  )
+  return _common.mix32(c + jnp.asarray(salts))
 
 
 def _random_offsets(seed: Any, count: jax.Array, strides_list) -> list[Any]:
@@ -380,10 +382,8 @@ def _random_offsets(seed: Any, count: jax.Array, strides_list) -> list[Any]:
         where[key] = len(lanes)
         lanes.append(key[0])
         moduli.append(s)
-  words = random_words(seed, count, _OFFSET_BITS)
   drawn = jax.lax.rem(
-    jnp.stack([words[lane] for lane in lanes]),
-    jnp.asarray(moduli, jnp.uint32),
+    random_words(seed, count, lanes), jnp.asarray(moduli, jnp.uint32)
   ).astype(jnp.int32)
   scalars = _common.unstack(drawn)
   zero = jnp.zeros((), jnp.int32)
