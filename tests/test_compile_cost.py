@@ -48,18 +48,19 @@ MODES = {
 }
 
 
-def _tree(n_layers: int):
+def _tree(n_layers: int, layer=None):
+  layer = _LAYER if layer is None else layer
   return {
-    f"layer_{i}": {k: jnp.full(s, 0.01, jnp.float32) for k, s in _LAYER.items()}
+    f"layer_{i}": {k: jnp.full(s, 0.01, jnp.float32) for k, s in layer.items()}
     for i in range(n_layers)
   }
 
 
-def _compiled(tx, n_layers: int):
+def _compiled(tx, n_layers: int, layer=None):
   """The donated update + apply of ``tx`` on :func:`_tree`, compiled with
   XLA's default emitters.
   """
-  params = _tree(n_layers)
+  params = _tree(n_layers, layer)
   state = tx.init(params)
 
   def step(p, s, g):
@@ -95,10 +96,10 @@ def _fusions(tx, n_layers: int) -> int:
   return hlo.fused_computations(_compiled(tx, n_layers))["fusions"]
 
 
-def _in_one_device_process(test_name: str) -> None:
-  """Runs this file's ``test_name`` in a child process that sees one
-  device: with several devices and no known layout, leaves of one shape are
-  not stacked (their shardings may differ).
+def _in_one_device_process(test_name: str, *args) -> None:
+  """Runs this file's ``test_name`` (with ``args``) in a child process that
+  sees one device: with several devices and no known layout, leaves of one
+  shape are not stacked (their shardings may differ).
   """
   import os
   import subprocess
@@ -111,8 +112,7 @@ def _in_one_device_process(test_name: str) -> None:
   )
   code = (
     "import sys; sys.path.insert(0, 'tests'); "
-    f"import test_compile_cost as t; t.{test_name}"
-    + ("" if "(" in test_name else "()")
+    f"import test_compile_cost as t; t.{test_name}(*{args!r})"
   )
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   proc = subprocess.run(
@@ -183,30 +183,14 @@ def _instructions(tx, n_layers: int) -> int:
   ``_SAMPLED_LAYER``, fused computations included (XLA:CPU compiles each
   fusion instance, equal or not).
   """
-  params = {
-    f"layer_{i}": {
-      k: jnp.full(s, 0.01, jnp.float32) for k, s in _SAMPLED_LAYER.items()
-    }
-    for i in range(n_layers)
-  }
-  state = tx.init(params)
-
-  def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  compiled = (
-    jax.jit(step, donate_argnums=(0, 1))
-    .lower(params, state, params)
-    .compile(compiler_options=USER_DEFAULT)
-  )
+  compiled = _compiled(tx, n_layers, _SAMPLED_LAYER)
   return sum(len(b) for b in hlo._computations(compiled.as_text()).values())
 
 
 @pytest.mark.parametrize("mode", ["topk", "threshold"])
 def test_masking_adds_few_instructions_per_leaf(mode):
   if jax.device_count() > 1:
-    _in_one_device_process(f"_check_masking_instructions_per_leaf({mode!r})")
+    _in_one_device_process("_check_masking_instructions_per_leaf", mode)
     return
   _check_masking_instructions_per_leaf(mode)
 
