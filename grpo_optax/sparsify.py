@@ -88,11 +88,27 @@ def masked_part(a: Any, threshold: Any) -> Any:
   return jnp.where(jnp.abs(a) >= thr, a, jnp.zeros_like(a))
 
 
+def residual_bound(threshold: jax.Array) -> jax.Array:
+  """The magnitude from which an accumulator entry was sent: the threshold,
+  or ``inf`` for :data:`RESIDUAL_ONLY` (the whole accumulator is residual).
+  Taken on the thresholds' vector, once per step, so that each leaf's
+  kernel compares with one scalar (``docs/design.md``, "Compile time").
+  """
+  return jnp.where(threshold >= 0, threshold, jnp.inf).astype(threshold.dtype)
+
+
+def residual_below(acc: jax.Array, bound: jax.Array) -> jax.Array:
+  """``acc`` where ``|acc| < bound``, else 0 (:func:`residual_bound`)."""
+  bound = bound.astype(acc.dtype)
+  return jnp.where(jnp.abs(acc) >= bound, jnp.zeros_like(acc), acc)
+
+
 def residual_of(acc: jax.Array, threshold: jax.Array) -> jax.Array:
-  """The residual held by an accumulator and its (last step's) threshold."""
-  thr = threshold.astype(acc.dtype)
-  keep = keep_mask(acc, thr) & (thr >= 0)
-  return jnp.where(keep, jnp.zeros_like(acc), acc)
+  """The residual held by an accumulator and its (last step's) threshold:
+  the entries that :func:`keep_mask` did not keep (an exact zero is 0
+  either way).
+  """
+  return residual_below(acc, residual_bound(threshold))
 
 
 def accumulate(
@@ -123,17 +139,18 @@ def accumulate_leaves(
   old = thresholds
   if len(masked) != len(x_leaves):
     old = _common.take(thresholds, masked)
-  for i, th in zip(masked, _common.unstack(old)):
-    a_leaves[i] = _accumulate_leaf(x_leaves[i], accs[i], th)
+  for i, bound in zip(masked, _common.unstack(residual_bound(old))):
+    a_leaves[i] = _accumulate_leaf(x_leaves[i], accs[i], bound)
   return a_leaves
 
 
 @jax.jit
-def _accumulate_leaf(x: jax.Array, acc: jax.Array, threshold: jax.Array):
-  """:func:`accumulate` in ``x``'s dtype, jitted: leaves of one shape share
-  one trace and one lowered function (XLA inlines the calls).
+def _accumulate_leaf(x: jax.Array, acc: jax.Array, bound: jax.Array):
+  """:func:`accumulate` in ``x``'s dtype from the residual's bound
+  (:func:`residual_bound`), jitted: leaves of one shape share one trace
+  and one lowered function (XLA inlines the calls).
   """
-  return accumulate(x, acc, threshold).astype(x.dtype)
+  return (x + residual_below(acc, bound).astype(x.dtype)).astype(x.dtype)
 
 
 #: Storage formats of the error-feedback accumulator (``accumulator_format``):

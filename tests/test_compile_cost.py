@@ -11,6 +11,7 @@ with the number of leaves of a tree made of the same few shapes.
 
 from __future__ import annotations
 
+import re
 import jax
 import jax.numpy as jnp
 import optax
@@ -143,7 +144,6 @@ def test_the_clipping_norm_adds_no_kernel_per_small_leaf():
 
 def _largest_fusion_inputs(tx, n_layers: int) -> int:
   """The most parameters of one fused computation of the compiled step."""
-  import re
 
   text = _compiled(tx, n_layers).as_text()
   counts = [
@@ -197,8 +197,8 @@ def test_masking_adds_few_instructions_per_leaf(mode):
 
 def _check_masking_instructions_per_leaf(mode):
   # Instructions added by 8 more layers, against dense grpo(): the mask, the
-  # accumulator and a top-k leaf's sample add about 60% (measured 1.59x
-  # top-k, 1.66x threshold). The sampled threshold's random offsets were a
+  # accumulator and a top-k leaf's sample add about 65% (measured 1.64x
+  # top-k, 1.71x threshold). The sampled threshold's random offsets were a
   # hash computed as scalars, which XLA fused into every sampled leaf's
   # kernel (57 instructions each instead of 8): top-k was 2.09x.
   dense = _instructions(MODES["dense"](), 12) - _instructions(
@@ -206,3 +206,48 @@ def _check_masking_instructions_per_leaf(mode):
   )
   masked = _instructions(MODES[mode](), 12) - _instructions(MODES[mode](), 4)
   assert masked <= 1.8 * dense, (mode, masked, dense, masked / dense)
+
+
+# A fused computation whose root is an elementwise op on an array: a
+# parameter-sized kernel of one leaf (not a reduction).
+_ELEMENTWISE_ROOT = re.compile(
+  r"\[[0-9,]+\]\S* (add|multiply|subtract|divide|select|maximum|minimum|sqrt)\("
+)
+_SCALAR_OP = re.compile(r"\s*(ROOT )?%\S+ = \w+\[\]\S* ([\w-]+)\(")
+
+
+def _scalar_ops_in_leaf_kernels(tx, n_layers: int) -> int:
+  """Scalar instructions (other than parameters and constants) inside the
+  compiled step's elementwise kernels on ``n_layers`` of ``_SAMPLED_LAYER``.
+  """
+  compiled = _compiled(tx, n_layers, _SAMPLED_LAYER)
+  count = 0
+  for name, body in hlo._computations(compiled.as_text()).items():
+    root = next(line for line in body if line.startswith("ROOT"))
+    if not name.startswith("fused") or not _ELEMENTWISE_ROOT.search(root):
+      continue
+    for line in body:
+      m = _SCALAR_OP.match(line)
+      if m and m.group(2) not in ("parameter", "constant"):
+        count += 1
+  return count
+
+
+@pytest.mark.parametrize("mode", ["dense", "topk", "threshold"])
+def test_step_scalars_reach_the_leaf_kernels_as_buffers(mode):
+  if jax.device_count() > 1:
+    _in_one_device_process("_check_step_scalars", mode)
+    return
+  _check_step_scalars(mode)
+
+
+def _check_step_scalars(mode):
+  # A scalar of the step computed by a cheap op after the last expensive one
+  # (the clip factor's min(1, c / norm), the mask's "threshold >= 0") was
+  # copied by XLA into every leaf's kernels: 3 scalar ops per leaf (dense: 72
+  # on 4 layers, 216 on 12; with their constants, 9% of the dense preset's
+  # instructions on 384 leaves). They are now computed once, and each
+  # kernel reads their buffers.
+  small = _scalar_ops_in_leaf_kernels(MODES[mode](), 4)
+  large = _scalar_ops_in_leaf_kernels(MODES[mode](), 12)
+  assert large == small, (mode, small, large)
