@@ -366,10 +366,16 @@ def _bert_fault(comm: dict | None) -> tuple[str, str, list[float]]:
     f"BERT example: {100 * c['efficiency_mean']:.1f}% (min "
     f"{100 * c['efficiency_min']:.1f}% over {len(eff)} seeds)"
   )
+  outer = (
+    "outer SGD at lr 2"
+    if "--outer-lr 2.0" in c.get("command", "")
+    else "DiLoCo's outer Nesterov"
+  )
   setup = (
-    "; BERT example: W = 8, local steps H = 4 (dense outer exchange), "
-    "1,800 steps, each replica absent from each outer step with p = 0.15, "
-    "steps to the no-fault run's held-out loss at 75% of its steps"
+    "; BERT example: W = 8, local steps H = 4 (dense outer exchange, "
+    f"{outer}), {c.get('steps', 1800):,} steps, each replica absent from "
+    "each outer step with p = 0.15, steps to the no-fault run's held-out "
+    "loss at 75% of its steps"
   )
   return measured, setup, eff
 

@@ -37,9 +37,12 @@ def test_claim15_efficiency_is_steps_to_the_no_fault_target():
       _run(comm.CLAIM15[0], 0, base),
       _run(comm.CLAIM15[1], 0, slow),
       _run(comm.CLAIM15[0], 1, base),  # no faulty run of seed 1: left out
+      # A longer no-fault run with no faulty run of its length: not a pair.
+      _run(comm.CLAIM15[0], 0, [[800, 2.0]], steps=800),
     ]
   }
   c = comm.claim15(runs)
+  assert c["steps"] == 400
   assert [r["seed"] for r in c["rows"]] == [0]
   r = c["rows"][0]
   assert r["target"] == 4.0
