@@ -1026,7 +1026,9 @@ def claim15(runs: dict[str, list[dict]]) -> dict | None:
   with absent replicas needs (the claims table's definition, per seed).
   """
   items = runs.get("bert", [])
-  base = {(r["steps"], r["seed"]): r for r in items if r["config"] == CLAIM15[0]}
+  base = {
+    (r["steps"], r["seed"]): r for r in items if r["config"] == CLAIM15[0]
+  }
   faulty = {
     (r["steps"], r["seed"]): r for r in items if r["config"] == CLAIM15[1]
   }
