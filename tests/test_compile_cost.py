@@ -12,6 +12,7 @@ with the number of leaves of a tree made of the same few shapes.
 from __future__ import annotations
 
 import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -144,7 +145,6 @@ def test_the_clipping_norm_adds_no_kernel_per_small_leaf():
 
 def _largest_fusion_inputs(tx, n_layers: int) -> int:
   """The most parameters of one fused computation of the compiled step."""
-
   text = _compiled(tx, n_layers).as_text()
   counts = [
     comp.count(" parameter(")
