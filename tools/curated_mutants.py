@@ -542,8 +542,8 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "residual_of_ignores_the_sentinel",
     "grpo_optax/sparsify.py",
-    "keep = keep_mask(acc, thr) & (thr >= 0)",
-    "keep = keep_mask(acc, thr)",
+    "jnp.where(threshold >= 0, threshold, jnp.inf)",
+    "jnp.where(threshold >= 0, threshold, threshold)",
     sp(
       "test_error_feedback_loses_nothing",
       "test_exact_topk_residual_drains_after_zeros",
@@ -554,8 +554,8 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "residual_of_keeps_the_kept",
     "grpo_optax/sparsify.py",
-    "return jnp.where(keep, jnp.zeros_like(acc), acc)",
-    "return jnp.where(keep, acc, jnp.zeros_like(acc))",
+    "return jnp.where(jnp.abs(acc) >= bound, jnp.zeros_like(acc), acc)",
+    "return jnp.where(jnp.abs(acc) >= bound, acc, jnp.zeros_like(acc))",
     sp("test_error_feedback_loses_nothing"),
     "the residual read from the accumulator is its kept part",
   ),
