@@ -59,6 +59,7 @@ from benchmarks import command as command_lib
 from grpo_optax import hlo
 from grpo_optax import training
 from grpo_optax.training import compression
+from grpo_optax.training import exchange as exchange_lib
 
 COMMAND = "python -m benchmarks.communication"
 
@@ -573,6 +574,11 @@ CONFIGS = {
   "all_gather_compact_bf16_0.00045_long_warmup": _compact_bf16_all_gather(
     "0.00045"
   ),
+  # The same with no sparsity warm-up: under 0.2% of the bytes over the
+  # whole run (the warm-up's dense early stages average 8% over the run).
+  "all_gather_compact_bf16_0.00045_no_warmup": _compact_bf16_all_gather(
+    "0.00045"
+  ),
 }
 
 #: Local steps (DiLoCo, the examples' ``--local-steps``): name -> (H, the
@@ -692,6 +698,7 @@ WARMUP = {"resnet": 10, "bert": 20}
 WARMUP_SCALE = {
   "all_gather_compact_bf16_0.00028_long_warmup": 2.5,
   "all_gather_compact_bf16_0.00045_long_warmup": 2.5,
+  "all_gather_compact_bf16_0.00045_no_warmup": 0.0,
 }
 
 TASKS = {"resnet": "examples.resnet_cifar10", "bert": "examples.bert_mlm"}
@@ -716,6 +723,9 @@ GRID_OF = {
     "all_gather bf16/compact f=0.00028"
   ),
   "all_gather_compact_bf16_0.00045_long_warmup": (
+    "all_gather bf16/compact f=0.00045"
+  ),
+  "all_gather_compact_bf16_0.00045_no_warmup": (
     "all_gather bf16/compact f=0.00045"
   ),
 }
@@ -756,6 +766,36 @@ def bytes_ratio(task: str, name: str) -> float | None:
   kw = dict(GRID)[GRID_OF[name]]
   dense = modelled_traffic(shapes, {"exchange": "dense"}, (8,))
   return modelled_traffic(shapes, kw, (8,)) / dense
+
+
+def run_bytes_ratio(task: str, name: str, steps: int) -> float | None:
+  """Ring bytes per device per step over dense's, averaged over a run of
+  ``steps``, the sparsity warm-up included.
+
+  :func:`bytes_ratio` is the steady state (after the warm-up). During the
+  warm-up, stage ``s`` sends the payload of
+  :func:`~grpo_optax.training.exchange.warmup_fractions`' ``f_s`` for
+  :func:`warmup_steps` steps; the rest of the run sends the final
+  fraction's. Equal to :func:`bytes_ratio` for configs without a warm-up.
+  """
+  steady = bytes_ratio(task, name)
+  if (
+    steady is None
+    or name in LOCAL
+    or "--exchange-fraction" not in CONFIGS[name]
+  ):
+    return steady
+  kw = dict(GRID)[GRID_OF[name]]
+  shapes = _task_shapes(task)
+  dense = modelled_traffic(shapes, {"exchange": "dense"}, (8,))
+  per_stage = warmup_steps(task, name, steps)
+  fractions = exchange_lib.warmup_fractions(kw["fraction"])[:-1]
+  warm = min(steps, per_stage * len(fractions))
+  total = steady * (steps - warm)
+  for s, f in enumerate(fractions):
+    n = min(per_stage, max(0, steps - s * per_stage))
+    total += n * modelled_traffic(shapes, {**kw, "fraction": f}, (8,)) / dense
+  return total / steps
 
 
 def warmup_steps(task: str, name: str, steps: int | None = None) -> int:
@@ -901,6 +941,7 @@ def summarize_runs(runs: dict[str, list[dict[str, Any]]]) -> list[dict]:
           "mean": float(np.mean(vals)),
           "spread": float(np.max(vals) - np.min(vals)),
           "x_dense_bytes": bytes_ratio(task, name),
+          "x_dense_bytes_run": run_bytes_ratio(task, name, steps),
           "steps": steps,
           "command": mine[0]["command"],
           "wall_time_s": float(np.mean([r["wall_time_s"] for r in mine])),
@@ -935,7 +976,8 @@ def dense_ring_bytes(task: str) -> float:
 def frontier_rows(quality: list[dict], times: dict | None) -> list[dict]:
   """The quality rows with each point's compute time over dense's and its
   break-even link bandwidth (:func:`crossover`, bit/s): measured step
-  compute of its exchange (``times``), modelled bytes. A local-steps point
+  compute of its exchange (``times``), modelled bytes averaged over the run
+  (:func:`run_bytes_ratio`: the sparsity warm-up included). A local-steps point
   computes an ordinary step between outer steps: its compute per step is
   taken as dense's (the outer step, once per H steps, is not timed).
   """
@@ -944,7 +986,7 @@ def frontier_rows(quality: list[dict], times: dict | None) -> list[dict]:
     row = dict(r)
     task_times = (times or {}).get(r["task"], {})
     dense_t = task_times.get("dense")
-    ratio = r.get("x_dense_bytes")
+    ratio = r.get("x_dense_bytes_run", r.get("x_dense_bytes"))
     t = None
     if r["config"] in LOCAL:
       t = dense_t
@@ -1084,20 +1126,24 @@ def frontier_markdown(data: dict[str, Any]) -> list[str]:
     "## The frontier: bytes against held-out quality, and break-even links",
     "",
     "Every run of the quality table, grouped by example and run length: "
-    "bytes per device per step over dense's (local steps: per inner step), "
+    "bytes per device per step over dense's (local steps: per inner step) "
+    "after the sparsity warm-up (`steady`) and averaged over the whole run, "
+    "the warm-up's denser stages included (`run`), "
     "the held-out metric (mean over the seeds; spread = largest minus "
     "smallest), its distance to dense at the same steps, the step's "
     "compute time over dense's (measured on the 8 forced CPU devices, "
     "interleaved, `measure_frontier_times`; local steps: taken as dense's) "
-    "and the link bandwidth below which the point's step (compute + ring "
-    "bytes / bandwidth, no overlap) is faster than dense's (`inf`: at any "
+    "and the link bandwidth below which the point's step (compute + the "
+    "run's mean ring bytes / bandwidth, no overlap) is faster than dense's "
+    "(`inf`: at any "
     "bandwidth; `—`: compute not measured).",
     "",
     "![The frontier](communication_frontier.png)",
     "",
-    "| example | steps | exchange | x dense bytes | mean | spread | seeds "
-    "| vs dense | x dense compute | break-even (Gbit/s) |",
-    "|---|---|---|---|---|---|---|---|---|---|",
+    "| example | steps | exchange | x dense bytes (steady) | x dense bytes "
+    "(run) | mean | spread | seeds | vs dense | x dense compute | "
+    "break-even (Gbit/s) |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in sorted(
     rows,
@@ -1112,10 +1158,13 @@ def frontier_markdown(data: dict[str, Any]) -> list[str]:
       else f"{100 * vs:+.2f}%"
     )
     ratio = r.get("x_dense_bytes")
+    run = r.get("x_dense_bytes_run")
     cr = r.get("compute_ratio")
     lines.append(
       f"| {r['task']} | {r['steps']} | {r['config']} | "
       + ("—" if ratio is None else f"{ratio:.5f}")
+      + " | "
+      + ("—" if run is None else f"{run:.5f}")
       + f" | {r['mean']:.4f} | {r['spread']:.4f} | {len(r['seeds'])} | {vs}"
       + " | "
       + ("—" if cr is None else f"{cr:.2f}")
@@ -1136,7 +1185,9 @@ def frontier_markdown(data: dict[str, Any]) -> list[str]:
       "and token: "
       f"{paper[0]['compute_s']:.1f} s of compute and "
       f"{paper[0]['dense_bytes'] / 1e12:.2f} TB of dense ring bytes per "
-      "device per step. Each point keeps its bytes ratio and compute ratio "
+      "device per step. Each point keeps its bytes ratio after the warm-up "
+      "(the `steady` column: a warm-up as long a share of the run as here "
+      "would add what the `run` column adds) and its compute ratio "
       "as measured on the BERT example (the CPU's compute ratio overstates "
       "a GPU's, where the compression is a smaller share of the step).",
       "",
@@ -1211,8 +1262,24 @@ def plot_frontier(rows: list[dict], path: str) -> str | None:
         continue
       family = next((k for k in colors if r["config"].startswith(k)), "dense")
       vals = r["values"]
+      run = r.get("x_dense_bytes_run") or r["x_dense_bytes"]
+      if run != r["x_dense_bytes"]:  # the warm-up's bytes: steady -> run
+        ax.plot(
+          [r["x_dense_bytes"], run],
+          [r["mean"], r["mean"]],
+          ":",
+          color=colors[family],
+          lw=0.8,
+        )
+        ax.plot(
+          r["x_dense_bytes"],
+          r["mean"],
+          "o",
+          mfc="none",
+          color=colors[family],
+        )
       ax.errorbar(
-        r["x_dense_bytes"],
+        run,
         r["mean"],
         yerr=[[r["mean"] - min(vals)], [max(vals) - r["mean"]]],
         fmt="o",
@@ -1221,13 +1288,16 @@ def plot_frontier(rows: list[dict], path: str) -> str | None:
       )
       ax.annotate(
         r["config"].replace("all_gather_compact_", "ag_"),
-        (r["x_dense_bytes"], r["mean"]),
+        (run, r["mean"]),
         fontsize=6,
         xytext=(3, 3),
         textcoords="offset points",
       )
     ax.set_xscale("log")
-    ax.set_xlabel("bytes per device per step / dense")
+    ax.set_xlabel(
+      "bytes per device per step / dense, over the run "
+      "(hollow: after the warm-up)"
+    )
     ax.set_ylabel(
       "held-out accuracy" if task == "resnet" else "held-out MLM loss"
     )
@@ -1362,11 +1432,12 @@ def markdown(data: dict[str, Any]) -> str:
       "in points x 100); BERT: held-out MLM loss (`vs dense` relative). "
       "`spread`: largest minus smallest value over the seeds; `x dense "
       "bytes`: ring bytes per device per step over the dense step's "
-      "(modelled from the payload layout, W = 8).",
+      "(modelled from the payload layout, W = 8), after the sparsity "
+      "warm-up and (`run`) averaged over the run, the warm-up included.",
       "",
-      "| example | steps | exchange | x dense bytes | seeds | values | "
-      "mean | spread | vs dense | command |",
-      "|---|---|---|---|---|---|---|---|---|---|",
+      "| example | steps | exchange | x dense bytes | x dense bytes (run) "
+      "| seeds | values | mean | spread | vs dense | command |",
+      "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in quality:
       vs = r.get("vs_dense")
@@ -1380,9 +1451,12 @@ def markdown(data: dict[str, Any]) -> str:
         )
       )
       ratio = r.get("x_dense_bytes")
+      run = r.get("x_dense_bytes_run")
       lines.append(
         f"| {r['task']} | {r['steps']} | {r['config']} | "
         + ("—" if ratio is None else f"{ratio:.5f}")
+        + " | "
+        + ("—" if run is None else f"{run:.5f}")
         + f" | {r['seeds']} | "
         + ", ".join(f"{v:.4f}" for v in r["values"])
         + f" | {r['mean']:.4f} | {r.get('spread', 0.0):.4f} | {vs} | "

@@ -86,3 +86,36 @@ def test_frontier_rows_break_even_and_local_steps():
   assert p["break_even_bps"] == pytest.approx(
     8 * 0.99 * p["dense_bytes"] / (0.5 * p["compute_s"])
   )
+
+
+def test_run_bytes_count_the_warmup_stages():
+  """Averaged over a run, the bytes include each warm-up stage's payload for
+  its steps; with no warm-up they are the steady state's.
+  """
+  name, steps = "all_gather_compact_bf16_0.00045_long_warmup", 3600
+  steady = comm.bytes_ratio("bert", name)
+  per = comm.warmup_steps("bert", name, steps)
+  argv = comm.config_argv("bert", name, steps)
+  assert argv[argv.index("--exchange-warmup-steps") + 1] == str(per)
+  fractions = comm.exchange_lib.warmup_fractions(0.00045)
+  assert fractions[0] == 0.25 and fractions[-1] == 0.00045
+  kw = dict(comm.GRID)[comm.GRID_OF[name]]
+  dense = comm.dense_ring_bytes("bert")
+  stage = [
+    comm.modelled_traffic(
+      comm._task_shapes("bert"), {**kw, "fraction": f}, (8,)
+    )
+    / dense
+    for f in fractions[:-1]
+  ]
+  warm = per * len(stage)
+  want = (per * sum(stage) + (steps - warm) * steady) / steps
+  got = comm.run_bytes_ratio("bert", name, steps)
+  assert got == pytest.approx(want, rel=1e-12)
+  assert got > 20 * steady  # the 25% stage alone: over 2% of the run's steps
+  none = "all_gather_compact_bf16_0.00045_no_warmup"
+  assert comm.warmup_steps("bert", none, steps) == 0
+  assert comm.run_bytes_ratio("bert", none, steps) == steady
+  assert comm.run_bytes_ratio("bert", "powersgd_r1", steps) == (
+    comm.bytes_ratio("bert", "powersgd_r1")
+  )
