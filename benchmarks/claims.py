@@ -213,10 +213,18 @@ def traffic_claim(table, comm) -> None:
   )
   parts = []
   if res and "vs_dense" in res:
+    run = res.get("x_dense_bytes_run")
     parts.append(
       f"ResNet example held-out accuracy {100 * res['mean']:.2f}% "
       f"({100 * res['vs_dense']:+.2f} points vs dense, mean of "
-      f"{len(res['seeds'])} seeds, {res['steps']} steps)"
+      f"{len(res['seeds'])} seeds, {res['steps']} steps"
+      + (
+        ""
+        if run is None
+        else f"; x{run:.4f} of the bytes over the run, "
+        "the sparsity warm-up included"
+      )
+      + ")"
     )
   if bert and "vs_dense" in bert:
     parts.append(
