@@ -49,7 +49,8 @@ DEFAULTS = {
 }
 
 #: What each CONFIGS entry names, besides the warm-up (WARMUP[task] steps
-#: per stage for the sparse exchanges, 2.5 times that for "_long_warmup").
+#: per stage for the sparse exchanges, 2.5 times that for "_long_warmup",
+#: none for "_no_warmup").
 EXPECTED = {
   "dense": {},
   "shared_replicated_bf16_0.0035": {
@@ -92,6 +93,12 @@ EXPECTED = {
     "indices": "compact",
     "values": "bfloat16",
   },
+  "all_gather_compact_bf16_0.00045_no_warmup": {
+    "exchange": "all_gather",
+    "fraction": 0.00045,
+    "indices": "compact",
+    "values": "bfloat16",
+  },
 }
 
 GRID_LABEL = communication.GRID_OF
@@ -125,7 +132,13 @@ def test_benchmark_configs_parse_to_the_named_exchange(task, name):
   ex = parallel.exchange_of(args)
   want = {**DEFAULTS, **EXPECTED[name]}
   if want["exchange"] in ("all_gather", "shared_support"):
-    scale = 2.5 if name.endswith("_long_warmup") else 1
+    scale = (
+      0
+      if name.endswith("_no_warmup")
+      else 2.5
+      if name.endswith("_long_warmup")
+      else 1
+    )
     want["warmup_steps"] = round(communication.WARMUP[task] * scale)
   got = _options(ex)
   # Every option the exchange takes as named; the others at their default.
