@@ -762,10 +762,21 @@ def bytes_ratio(task: str, name: str) -> float | None:
     if task != "bert" or not os.path.exists(LOCAL_BYTES):
       return None
     return local_round_ratios(LOCAL_BYTES)[program] / h
-  shapes = _task_shapes(task)
-  kw = dict(GRID)[GRID_OF[name]]
-  dense = modelled_traffic(shapes, {"exchange": "dense"}, (8,))
-  return modelled_traffic(shapes, kw, (8,)) / dense
+  return _modelled_ratio(task, dict(GRID)[GRID_OF[name]])
+
+
+def _modelled_ratio(task: str, kw: dict[str, Any]) -> float:
+  """Modelled ring bytes of exchange ``kw`` on the task (W = 8) over
+  dense's.
+  """
+  return modelled_traffic(_task_shapes(task), kw, (8,)) / dense_ring_bytes(task)
+
+
+def _has_warmup(name: str) -> bool:
+  """Whether a config runs DGC's sparsity warm-up (a sparse exchange that
+  is not a local-steps outer exchange).
+  """
+  return name not in LOCAL and "--exchange-fraction" in CONFIGS[name]
 
 
 def run_bytes_ratio(task: str, name: str, steps: int) -> float | None:
@@ -779,23 +790,16 @@ def run_bytes_ratio(task: str, name: str, steps: int) -> float | None:
   fraction's. Equal to :func:`bytes_ratio` for configs without a warm-up.
   """
   steady = bytes_ratio(task, name)
-  if (
-    steady is None
-    or name in LOCAL
-    or "--exchange-fraction" not in CONFIGS[name]
-  ):
+  if steady is None or not _has_warmup(name):
     return steady
   kw = dict(GRID)[GRID_OF[name]]
-  shapes = _task_shapes(task)
-  dense = modelled_traffic(shapes, {"exchange": "dense"}, (8,))
   per_stage = warmup_steps(task, name, steps)
-  fractions = exchange_lib.warmup_fractions(kw["fraction"])[:-1]
-  warm = min(steps, per_stage * len(fractions))
-  total = steady * (steps - warm)
-  for s, f in enumerate(fractions):
-    n = min(per_stage, max(0, steps - s * per_stage))
-    total += n * modelled_traffic(shapes, {**kw, "fraction": f}, (8,)) / dense
-  return total / steps
+  total, left = 0.0, steps
+  for f in exchange_lib.warmup_fractions(kw["fraction"])[:-1]:
+    n = min(per_stage, left)
+    total += n * _modelled_ratio(task, {**kw, "fraction": f})
+    left -= n
+  return (total + left * steady) / steps
 
 
 def warmup_steps(task: str, name: str, steps: int | None = None) -> int:
@@ -809,7 +813,7 @@ def warmup_steps(task: str, name: str, steps: int | None = None) -> int:
 
 def config_argv(task: str, name: str, steps: int | None = None) -> list[str]:
   argv = list(CONFIGS[name])
-  if "--exchange-fraction" in argv and name not in LOCAL:
+  if _has_warmup(name):
     argv += ["--exchange-warmup-steps", str(warmup_steps(task, name, steps))]
   if steps is not None:
     argv += ["--steps", str(steps)]

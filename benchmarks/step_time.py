@@ -23,7 +23,6 @@ import json
 import math
 import os
 import platform
-import re
 import resource
 import statistics
 import subprocess
@@ -228,36 +227,12 @@ def param_sized_arrays(params, state) -> int:
   )
 
 
-_ITEMSIZE = {
-  "pred": 1,
-  "s8": 1,
-  "u8": 1,
-  "bf16": 2,
-  "f16": 2,
-  "s16": 2,
-  "u16": 2,
-}
-
-
-def _copy_bytes(line: str) -> int:
-  """Bytes of the array a ``copy`` instruction of compiled HLO writes (0 for
-  any other line).
-  """
-  m = re.search(r"= (\w+)\[([\d,]*)\]\{[^}]*\} copy\(", line)
-  if m is None:
-    return 0
-  size = math.prod(int(d) for d in m.group(2).split(",") if d)
-  return size * _ITEMSIZE.get(m.group(1), 4)
-
-
 def analyse(step, params, state, grads) -> dict:
   """XLA's temporaries and copies of the donated, compiled step."""
   compiled = step.lower(params, state, grads).compile()
   text = compiled.as_text()
   n = sum(x.size for x in jax.tree.leaves(params))
-  big_copies = [
-    line for line in text.splitlines() if _copy_bytes(line) >= 1 << 20
-  ]
+  big_copies = [b for b in grpo_optax.hlo.copy_bytes(text) if b >= 1 << 20]
   return dict(
     temp_bytes_per_param=round(
       compiled.memory_analysis().temp_size_in_bytes / n, 3

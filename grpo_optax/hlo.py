@@ -36,6 +36,7 @@ __all__ = [
   "COLLECTIVES",
   "collective_bytes",
   "collective_ops",
+  "copy_bytes",
   "fused_computations",
   "group_size",
   "hlo_text",
@@ -222,6 +223,31 @@ def _shape_bytes(shape: str) -> int:
     size = math.prod(int(d) for d in dims.split(",") if d)
     total += size * _DTYPE_BYTES.get(dtype, 0)
   return total
+
+
+_COPY = re.compile(r"=\s*(?P<shape>\S+)\s+copy\(")
+
+
+def copy_bytes(compiled: Any) -> list[int]:
+  """Bytes written by each ``copy`` instruction of a compiled program.
+
+  XLA inserts a copy where a buffer is still read after an in-place write
+  would overwrite it (a donated state array read by two kernels, one of them
+  its writer); each costs a read and a write of the whole array per step.
+
+  Args:
+    compiled: a ``jax.stages.Compiled`` or ``Lowered`` program, or its HLO
+      text.
+
+  Returns:
+    The result size in bytes of every copy, in program order, of every
+    dtype (``s8[1024,1024]`` is 1 MiB, ``f32[8,2]`` 64 bytes).
+  """
+  return [
+    _shape_bytes(m.group("shape"))
+    for line in hlo_text(compiled).splitlines()
+    if (m := _COPY.search(line))
+  ]
 
 
 def group_size(attrs: str, default: int) -> int:

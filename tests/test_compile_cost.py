@@ -251,3 +251,21 @@ def _check_step_scalars(mode):
   small = _scalar_ops_in_leaf_kernels(MODES[mode](), 4)
   large = _scalar_ops_in_leaf_kernels(MODES[mode](), 12)
   assert large == small, (mode, small, large)
+
+
+def test_copy_bytes_reads_each_copys_dtype_and_shape():
+  """``hlo.copy_bytes`` (the step-time table's "copies >= 1 MB") reads the
+  copy's own shape and dtype: an int8 moment's codes count (1 byte each), a
+  small float32 array does not, and other instructions are not copies.
+  """
+  codes = "  %copy.2 = s8[1024,1024]{1,0} copy(%state_mu_codes.1)"
+  assert hlo.copy_bytes(codes) == [1 << 20]
+  assert hlo.copy_bytes(codes.replace("s8", "bf16")) == [2 << 20]
+  assert hlo.copy_bytes("  %c = f32[8,2]{1,0} copy(%x)") == [64]
+  assert hlo.copy_bytes("  %f = f32[1024]{0} fusion(%x), calls=%c") == []
+  compiled = (
+    jax.jit(lambda x: x + 1, donate_argnums=0)
+    .lower(jnp.zeros((4,), jnp.int8))
+    .compile()
+  )
+  assert hlo.copy_bytes(compiled) == []
