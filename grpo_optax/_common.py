@@ -700,26 +700,50 @@ class SampledMoments:
       self.parts.setdefault(k, []).append((jnp.asarray(v, jnp.float32), n))
 
   def mean(self, key: str, default: float = 0.0) -> jax.Array:
-    if not self.total or key not in self.parts:
-      return jnp.asarray(default, jnp.float32)
-    groups: dict[Any, list[tuple[jax.Array, int]]] = {}
+    return self.means(lambda d, _: {key: d[key]}, key, **{key: default})[key]
+
+  def means(
+    self, fn: Any, *keys: str, **defaults: float
+  ) -> dict[str, jax.Array]:
+    """Size-weighted means of samples derived from the stacked ones.
+
+    ``fn`` maps a dict of the stacks of ``keys`` (each ``(k, ...)``: the
+    samples of ``k`` leaves of one shape and layout) and the leaves' sizes
+    (a ``(k,)`` NumPy array) to a dict of derived arrays with the same
+    leading axis; each derived key's mean over the
+    tree is returned (``defaults`` gives every derived key and its value
+    when nothing was added). A derived sample computed on the stack is one
+    kernel per group, where computing it leaf by leaf before :meth:`add`
+    is one (or more) per leaf.
+    """
+    if not self.total or any(k not in self.parts for k in keys):
+      return {k: jnp.asarray(v, jnp.float32) for k, v in defaults.items()}
+    groups: dict[Any, list[int]] = {}
     multi = jax.device_count() > 1
-    for j, (v, n) in enumerate(self.parts[key]):
+    for j, (v, _) in enumerate(self.parts[keys[0]]):
       spec = explicit_spec(v)
       # As the bisected samples (sparsify._group_key): without a known
       # layout on several devices, stacking could give one leaf's sample
       # another's sharding.
       gkey = (j,) if spec is None and multi else (v.shape, spec)
-      groups.setdefault(gkey, []).append((v, n))
-    sums, singles = [], []
-    for items in groups.values():
-      weights = np.asarray([n for _, n in items], np.float32)
-      if len(items) == 1:
-        singles.append(jnp.mean(items[0][0]) * weights[0])
-        continue
-      stacked = jnp.stack([v for v, _ in items])
-      means = jnp.mean(stacked, axis=tuple(range(1, stacked.ndim)))
-      sums.append(jnp.sum(means * weights))
+      groups.setdefault(gkey, []).append(j)
+    sums: dict[str, list[Any]] = {k: [] for k in defaults}
+    singles: dict[str, list[Any]] = {k: [] for k in defaults}
+    for idx in groups.values():
+      weights = np.asarray(
+        [self.parts[keys[0]][j][1] for j in idx], np.float32
+      )
+      derived = fn(
+        {k: jnp.stack([self.parts[k][j][0] for j in idx]) for k in keys},
+        weights,
+      )
+      for k in defaults:
+        d = derived[k]
+        if len(idx) == 1:
+          singles[k].append(jnp.mean(d[0]) * weights[0])
+          continue
+        means = jnp.mean(d, axis=tuple(range(1, d.ndim)))
+        sums[k].append(jnp.sum(means * weights))
     # Leaves reduced one by one (several devices, layouts unknown) are
     # summed by total(), whose sort keeps each reduction its own kernel.
-    return total(sums + singles) / self.total
+    return {k: total(sums[k] + singles[k]) / self.total for k in defaults}

@@ -123,15 +123,48 @@ def _extra_leaves(treedef, n, hessian_diag, head_entropy):
     ) from None
 
 
+def _denom(mean, bc):
+  """The weights' normaliser: the leaf's bias-corrected mean score."""
+  return mean / bc + 1e-12
+
+
+def _weight(s, bc, denom, min_weight, max_weight):
+  """``clip((S / bc) / denom, min_weight, max_weight)``."""
+  return jnp.clip((s / bc) / denom, min_weight, max_weight)
+
+
+def _sample_moments(stats, bc, min_weight, max_weight):
+  """Mean of the sampled weights and of their squares, and the same of the
+  normalised score ``r = (S / bc) / denom``, over the tree, computed on the
+  stacked samples of the leaves (:meth:`_common.SampledMoments.means`).
+  """
+
+  def derive(d, sizes):
+    # From the stacked sums (each one a reduction's output), not from
+    # stacked means or denominators: computed leaf by leaf, those would be
+    # a kernel per leaf.
+    shape = d["s"].shape[:1] + (1,) * (d["s"].ndim - 1)
+    denom = _denom(d["sum"].reshape(shape) / sizes.reshape(shape), bc)
+    r = (d["s"] / bc) / denom
+    w = _weight(d["s"], bc, denom, min_weight, max_weight)
+    if "head" in d:
+      w = w * d["head"]
+    return {"w": w, "w2": w * w, "r": r, "r2": r * r}
+
+  keys = ("s", "sum") + (("head",) if "head" in stats.parts else ())
+  return stats.means(derive, *keys, w=1.0, w2=0.0, r=0.0, r2=0.0)
+
+
 @jax.jit
 def _importance_leaf(g, p, s_old, h_old, hd, ent, hyper):
-  """One leaf of :func:`scale_by_importance`: ``(out, S, h, moments)``.
+  """One leaf of :func:`scale_by_importance`: ``(out, S, h, samples)``.
 
   ``h_old`` is None for order 1; ``hd`` (a given Hessian diagonal) and
-  ``ent`` (per-head entropies) are None when not given; ``moments`` are the
-  samples of the diagnostics on the leaf's strided grid. Jitted, so that
-  leaves of one shape share one trace and one lowered function (XLA inlines
-  the calls).
+  ``ent`` (per-head entropies) are None when not given; ``samples`` are
+  the leaf's score on its strided grid, its sum and (with ``ent``)
+  its head factors there, from which :func:`_sample_moments` computes the
+  diagnostics. Jitted, so that leaves of one shape share one trace and one
+  lowered function (XLA inlines the calls).
   """
   decay, bc, use_second, min_weight, max_weight = hyper
   g32 = g.astype(jnp.float32)
@@ -148,12 +181,10 @@ def _importance_leaf(g, p, s_old, h_old, hd, ent, hyper):
       h_hat = jnp.asarray(hd, jnp.float32)
     score = score + use_second * 0.5 * h_hat * p32 * p32
   s = decay * s_old.astype(jnp.float32) + (1 - decay) * score
-  denom = _common.mean32(s) / bc + 1e-12
+  total = _common.sum32(s)
+  denom = _denom(total / max(s.size, 1), bc)
 
-  def weight(s_):
-    return jnp.clip((s_ / bc) / denom, min_weight, max_weight)
-
-  w = weight(s)
+  w = _weight(s, bc, denom, min_weight, max_weight)
   head = 1.0
   if ent is not None:
     ent = jnp.asarray(ent, jnp.float32)
@@ -162,19 +193,14 @@ def _importance_leaf(g, p, s_old, h_old, hd, ent, hyper):
   # The params' dtype as optax's stateful transforms give it: the gradient's
   # promoted with the score's (which follows the params).
   out = (g32 * w).astype(jnp.promote_types(g.dtype, s_old.dtype))
-  # Diagnostics on a strided sample: no extra pass over the leaf.
-  s_sample = _common.strided_sample(s)
-  r_sample = (s_sample / bc) / denom
-  w_sample = weight(s_sample) * _common.strided_sample(
-    jnp.broadcast_to(head, s.shape)
-  )
-  moments = {
-    "w": w_sample,
-    "w2": w_sample * w_sample,
-    "r": r_sample,
-    "r2": r_sample * r_sample,
-  }
-  return out, s.astype(s_old.dtype), h, moments
+  # Diagnostics on a strided sample: no extra pass over the leaf. The
+  # weights of the sample are computed on the stack of every leaf's sample
+  # (_sample_moments), not here: that is one kernel per group of leaves of
+  # one shape instead of several per leaf.
+  samples = {"s": _common.strided_sample(s), "sum": total.reshape(1)}
+  if ent is not None:
+    samples["head"] = _common.strided_sample(jnp.broadcast_to(head, s.shape))
+  return out, s.astype(s_old.dtype), h, samples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,27 +307,29 @@ class ScaleByImportanceConfig(_mechanism.Config):
     new_h, new_s, outs = [], [], []
     stats = _common.SampledMoments()
     hyper = (decay, bc, use_second, min_weight, max_weight)
+    with_head = any(e is not None for e in ent_leaves)
     for g, p, s_old, h_old, hd, ent in zip(
       g_leaves, p_leaves, s_leaves, h_leaves, hd_leaves, ent_leaves
     ):
-      out, s, h, moments = _importance_leaf(
+      out, s, h, samples = _importance_leaf(
         g, p, s_old, h_old if second else None, hd, ent, hyper
       )
       outs.append(out)
       new_s.append(s)
       if second:
         new_h.append(h)
-      stats.add(g.size, **moments)
-    w_mean = stats.mean("w", 1.0)
+      if with_head and "head" not in samples:
+        samples["head"] = jnp.ones_like(samples["s"])  # no head weighting
+      stats.add(g.size, **samples)
+    m = _sample_moments(stats, bc, min_weight, max_weight)
+    w_mean = m["w"]
     new_state = ScaleByImportanceState(
       count=count_inc,
       hessian=treedef.unflatten(new_h) if second else None,
       score=treedef.unflatten(new_s),
       weight_mean=w_mean,
-      weight_std=jnp.sqrt(jnp.maximum(stats.mean("w2") - w_mean**2, 0.0)),
-      score_std=jnp.sqrt(
-        jnp.maximum(stats.mean("r2") - stats.mean("r") ** 2, 0.0)
-      ),
+      weight_std=jnp.sqrt(jnp.maximum(m["w2"] - w_mean**2, 0.0)),
+      score_std=jnp.sqrt(jnp.maximum(m["r2"] - m["r"] ** 2, 0.0)),
     )
     return treedef.unflatten(outs), new_state
 
