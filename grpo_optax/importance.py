@@ -123,19 +123,24 @@ def _extra_leaves(treedef, n, hessian_diag, head_entropy):
     ) from None
 
 
-def _denom(mean, bc):
-  """The weights' normaliser: the leaf's bias-corrected mean score."""
-  return mean / bc + 1e-12
+def _ratio_scale(mean, bc):
+  """``1 / (bc (mean / bc + 1e-12))``: the normalised score is ``S`` times
+  this scalar, ``S_hat / (mean S_hat + 1e-12)`` with ``S_hat = S / bc``.
+
+  A product, not ``(S / bc) / denom``: XLA counts an array division as
+  expensive and writes it out once for its readers (the moments, the
+  update), a kernel and a buffer per leaf.
+  """
+  return 1.0 / (bc * (mean / bc + 1e-12))
 
 
-def _weight(s, bc, denom, min_weight, max_weight):
-  """``clip((S / bc) / denom, min_weight, max_weight)``."""
-  return jnp.clip((s / bc) / denom, min_weight, max_weight)
+def _weight(ratio, min_weight, max_weight):
+  return jnp.clip(ratio, min_weight, max_weight)
 
 
 def _sample_moments(stats, bc, min_weight, max_weight):
   """Mean of the sampled weights and of their squares, and the same of the
-  normalised score ``r = (S / bc) / denom``, over the tree, computed on the
+  normalised score ``r`` (:func:`_ratio_scale`), over the tree, computed on the
   stacked samples of the leaves (:meth:`_common.SampledMoments.means`).
   """
 
@@ -144,9 +149,10 @@ def _sample_moments(stats, bc, min_weight, max_weight):
     # stacked means or denominators: computed leaf by leaf, those would be
     # a kernel per leaf.
     shape = d["s"].shape[:1] + (1,) * (d["s"].ndim - 1)
-    denom = _denom(d["sum"].reshape(shape) / sizes.reshape(shape), bc)
-    r = (d["s"] / bc) / denom
-    w = _weight(d["s"], bc, denom, min_weight, max_weight)
+    r = d["s"] * _ratio_scale(
+      d["sum"].reshape(shape) / sizes.reshape(shape), bc
+    )
+    w = _weight(r, min_weight, max_weight)
     if "head" in d:
       w = w * d["head"]
     return {"w": w, "w2": w * w, "r": r, "r2": r * r}
@@ -182,9 +188,9 @@ def _importance_leaf(g, p, s_old, h_old, hd, ent, hyper):
     score = score + use_second * 0.5 * h_hat * p32 * p32
   s = decay * s_old.astype(jnp.float32) + (1 - decay) * score
   total = _common.sum32(s)
-  denom = _denom(total / max(s.size, 1), bc)
+  scale = _ratio_scale(total / max(s.size, 1), bc)
 
-  w = _weight(s, bc, denom, min_weight, max_weight)
+  w = _weight(s * scale, min_weight, max_weight)
   head = 1.0
   if ent is not None:
     ent = jnp.asarray(ent, jnp.float32)

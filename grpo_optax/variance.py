@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from grpo_optax import _common
@@ -49,8 +50,8 @@ def _moments_leaf(g, mu, nu, gv, decay, bc, *, reduction, normalize):
   """One leaf's EMAs and its variance: ``(mu, nu, var, nu_hat)``.
 
   ``var`` (and ``nu_hat`` when ``normalize``) per element for the
-  ``"element"`` reduction, the leaf's mean for ``"leaf"``, its sum for
-  ``"global"`` (:func:`_global` then divides the total by the tree's size);
+  ``"element"`` reduction, the leaf's sum for ``"leaf"`` and ``"global"``
+  (:func:`_per_leaf_scales` divides them on the stack of every leaf's);
   ``nu_hat`` is None without ``normalize``. ``gv``: the ``grad_variance``
   leaf, or None. Jitted, so that leaves of one shape share one trace.
   """
@@ -70,26 +71,49 @@ def _moments_leaf(g, mu, nu, gv, decay, bc, *, reduction, normalize):
     )
   nu_hat = nu_new.astype(jnp.float32) / bc if normalize else None
   if reduction != "element":
-    reduce = _common.mean32 if reduction == "leaf" else _common.sum32
-    var = reduce(var)
-    nu_hat = None if nu_hat is None else reduce(nu_hat)
+    var = _common.sum32(var)
+    nu_hat = None if nu_hat is None else _common.sum32(nu_hat)
   return mu_new.astype(mu.dtype), nu_new.astype(nu.dtype), var, nu_hat
 
 
-def _global(values, sizes, reduction):
-  """The ``"global"`` mean over the tree of per-leaf sums (one sum of their
-  stack); other reductions pass through.
+def _per_leaf_scales(var_sums, nu_sums, sizes, reduction, coef, eps):
+  """The ``"leaf"`` and ``"global"`` scales ``1 / (1 + coef var)`` from the
+  leaves' sums: ``(scales, mean variance, mean scale)``.
+
+  The per-leaf arithmetic runs on the stack of the sums, one kernel for all
+  leaves, and reaches each leaf as one scalar of :func:`_common.unstack`:
+  leaf by leaf, each leaf's division and scale were kernels of their own.
+  The means are over the parameters (each leaf weighted by its size).
   """
-  if reduction != "global":
-    return values
-  g = _common.total(values) / max(sum(sizes), 1)
-  return [g for _ in values]
+  n = np.asarray(sizes, np.float32)
+  if not n.sum():  # no elements: no variance, the scale 1
+    one = jnp.ones((), jnp.float32)
+    return [one] * len(var_sums), jnp.zeros((), jnp.float32), one
+  total = float(n.sum())
+  if reduction == "global":
+    var = _common.total(var_sums) / total
+    if nu_sums is not None:
+      var = var / (_common.total(nu_sums) / total + eps)
+    scale = 1.0 / (1.0 + coef * var)
+    return [scale] * len(var_sums), var, scale
+  count = np.maximum(n, 1.0)
+  var = _common.stack(var_sums) / count
+  if nu_sums is not None:
+    var = var / (_common.stack(nu_sums) / count + eps)
+  scale = 1.0 / (1.0 + coef * var)
+  weights = n / total
+  return (
+    _common.unstack(scale),
+    jnp.sum(var * weights),
+    jnp.sum(scale * weights),
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
 def _scale_leaf(g, var, denom, coef, eps, *, out_dtype):
   """``g / (1 + coef var)`` (``var / (denom + eps)`` when ``denom`` is given)
-  in the params' dtype, and samples of the variance and the scale.
+  per element, in the params' dtype, and samples of the variance and the
+  scale.
   """
   if denom is not None:
     var = var / (denom + eps)
@@ -99,6 +123,11 @@ def _scale_leaf(g, var, denom, coef, eps, *, out_dtype):
     "var": _common.strided_sample(var),
     "scale": _common.strided_sample(scale),
   }
+
+
+def _apply_scale(g, scale, out_dtype):
+  """``g`` times its leaf's scale, in the params' dtype."""
+  return (g * scale).astype(jnp.promote_types(g.dtype, out_dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,21 +211,27 @@ class ScaleByVarianceLrConfig(_mechanism.Config):
       nus.append(n)
       var.append(v)
       nu_hat.append(h)
-    var = _global(var, sizes, reduction)
-    denom = _global(nu_hat, sizes, reduction) if normalize else nu_hat
-    out, stats = [], _common.SampledMoments()
-    for g, v, d, m in zip(
-      g_leaves, var, denom, treedef.flatten_up_to(state.mu)
-    ):
-      o, moments = _scale_leaf(g, v, d, coef, eps, out_dtype=m.dtype)
-      out.append(o)
-      stats.add(g.size, **moments)
+    dtypes = [m.dtype for m in treedef.flatten_up_to(state.mu)]
+    if reduction == "element":
+      out, stats = [], _common.SampledMoments()
+      for g, v, d, dt in zip(g_leaves, var, nu_hat, dtypes):
+        o, moments = _scale_leaf(g, v, d, coef, eps, out_dtype=dt)
+        out.append(o)
+        stats.add(g.size, **moments)
+      mean_var, mean_scale = stats.mean("var"), stats.mean("scale", 1.0)
+    else:
+      scales, mean_var, mean_scale = _per_leaf_scales(
+        var, nu_hat if normalize else None, sizes, reduction, coef, eps
+      )
+      out = [
+        _apply_scale(g, c, dt) for g, c, dt in zip(g_leaves, scales, dtypes)
+      ]
     return treedef.unflatten(out), ScaleByVarianceLrState(
       count=count_inc,
       mu=treedef.unflatten(mus),
       nu=treedef.unflatten(nus),
-      variance=stats.mean("var"),
-      lr_scale=stats.mean("scale", 1.0),
+      variance=mean_var,
+      lr_scale=mean_scale,
     )
 
 
