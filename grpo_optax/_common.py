@@ -730,9 +730,7 @@ class SampledMoments:
     sums: dict[str, list[Any]] = {k: [] for k in defaults}
     singles: dict[str, list[Any]] = {k: [] for k in defaults}
     for idx in groups.values():
-      weights = np.asarray(
-        [self.parts[keys[0]][j][1] for j in idx], np.float32
-      )
+      weights = np.asarray([self.parts[keys[0]][j][1] for j in idx], np.float32)
       derived = fn(
         {k: jnp.stack([self.parts[k][j][0] for j in idx]) for k in keys},
         weights,

@@ -143,6 +143,32 @@ def test_the_clipping_norm_adds_no_kernel_per_small_leaf():
   assert dense <= adam + 2, (dense, adam)
 
 
+# Kernels per leaf of a mechanism alone (chained with SGD): its state
+# arrays and the update, plus what its per-leaf scalars need.
+PER_LEAF = {
+  # The score S and the Fisher EMA h (two state arrays), the update, S's sum
+  # and the leaf's scale: 5. The diagnostics' weights computed sample by
+  # sample in each leaf, and (S / bc) / denom written out for its readers,
+  # made it 7.8.
+  "importance": (grpo_optax.scale_by_importance, 5),
+  # The two EMAs, the update and the leaf's sum: 4. The mean, floor and
+  # scale computed leaf by leaf made it 6.4.
+  "variance": (grpo_optax.scale_by_variance_lr, 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_LEAF))
+def test_per_leaf_scalars_add_no_kernel_per_leaf(name):
+  if jax.device_count() > 1:
+    _in_one_device_process("test_per_leaf_scalars_add_no_kernel_per_leaf", name)
+    return
+  make, per_leaf = PER_LEAF[name]
+  tx = optax.chain(make(), optax.sgd(1e-3))
+  added = _fusions(tx, 4) - _fusions(tx, 2)  # two layers of _LAYER's leaves
+  budget = 2 * len(_LAYER) * per_leaf + 12  # + a few per shape and group
+  assert added <= budget, (name, added, budget)
+
+
 def _largest_fusion_inputs(tx, n_layers: int) -> int:
   """The most parameters of one fused computation of the compiled step."""
   text = _compiled(tx, n_layers).as_text()
