@@ -118,8 +118,7 @@ def _scale_leaf(g, var, denom, coef, eps, *, out_dtype):
   if denom is not None:
     var = var / (denom + eps)
   scale = 1.0 / (1.0 + coef * var)
-  out = (g * scale).astype(jnp.promote_types(g.dtype, out_dtype))
-  return out, {
+  return _apply_scale(g, scale, out_dtype), {
     "var": _common.strided_sample(var),
     "scale": _common.strided_sample(scale),
   }
