@@ -165,7 +165,9 @@ def test_per_leaf_scalars_add_no_kernel_per_leaf(name):
   make, per_leaf = PER_LEAF[name]
   tx = optax.chain(make(), optax.sgd(1e-3))
   added = _fusions(tx, 4) - _fusions(tx, 2)  # two layers of _LAYER's leaves
-  budget = 2 * len(_LAYER) * per_leaf + 12  # + a few per shape and group
+  # + a few per shape and group; jax 0.10 (the lowest supported) compiles 4
+  # more of those than the newest does (variance: 85 against 81).
+  budget = 2 * len(_LAYER) * per_leaf + 16
   assert added <= budget, (name, added, budget)
 
 
