@@ -285,14 +285,12 @@ def clip_mask_adam(
     )
     ad = state.adaptive
     count, hyper = momentum.step_scalars(adam, ad.count)
-    mu = momentum.decoded(adam.mu_format, ad.mu)
-    nu = momentum.decoded(adam.nu_format, ad.nu, True)  # a denominator
     m_leaves = _masked(a_leaves, thr)
-    mus, nus, outs = momentum.adam_leaves(
+    outs, mu, nu = momentum.adaptive_step(
       adam,
       m_leaves,
-      treedef.flatten_up_to(mu),
-      treedef.flatten_up_to(nu),
+      ad.mu,
+      ad.nu,
       hyper,
       momentum.update_dtypes(  # optax's (the accumulator: the params')
         updates,
@@ -304,27 +302,21 @@ def clip_mask_adam(
         (ad.mu if adam.mu_format is None else None, adam.mu_dtype),
         (ad.nu if adam.nu_format is None else None, adam.nu_dtype),
       ),
+      treedef,
+      scales=(
+        momentum.moment_scale(
+          adam.mu_format, ad.mu, adam.b1, m_leaves, 1, treedef, bounds
+        ),
+        momentum.moment_scale(
+          adam.nu_format, ad.nu, adam.b2, m_leaves, 2, treedef, bounds
+        ),
+      ),
     )
     return treedef.unflatten(outs), FusedState(
       clip=clip_state,
       mask=mask_state,
       adaptive=momentum.ScaleByNesterovAdamRmsState(
-        count=count,
-        mu=momentum.encode_moment(
-          adam.mu_format,
-          treedef.unflatten(mus),
-          scale=momentum.moment_scale(
-            adam.mu_format, ad.mu, adam.b1, m_leaves, 1, treedef, bounds
-          ),
-        ),
-        nu=momentum.encode_moment(
-          adam.nu_format,
-          treedef.unflatten(nus),
-          scale=momentum.moment_scale(
-            adam.nu_format, ad.nu, adam.b2, m_leaves, 2, treedef, bounds
-          ),
-        ),
-        filtered=None,
+        count=count, mu=mu, nu=nu, filtered=None
       ),
     )
 

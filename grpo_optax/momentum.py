@@ -149,11 +149,26 @@ def decoded(fmt, stored, floor=False):
   return quantization.tree_decode(fmt, stored, floor=floor)
 
 
+@jax.jit
+def adam_moments(g, mu, nu, hyper):
+  """One leaf's new moments ``(mu', nu')``, in the gradient's dtype promoted
+  with ``nu``'s (not cast to the stored dtype).
+
+  ``hyper``: the step's scalars (:func:`step_scalars`). Jitted, like
+  :func:`adam_update`, so that leaves of one shape share one trace and one
+  lowered function (XLA inlines the calls): tracing each leaf's two dozen
+  operations anew was a third of the update's compile time.
+  """
+  b1, b2, _, _, _, omb1, omb2, _, _, _, _ = hyper
+  m = _promoted(g, nu)
+  return b1 * mu + omb1 * m, b2 * nu + omb2 * _common.abs_sq(m)
+
+
 @functools.partial(
   jax.jit,
   static_argnames=("nesterov", "rms_bias_correction", "out_dtype", "weight"),
 )
-def adam_leaf(
+def adam_update(
   g,
   mu,
   nu,
@@ -164,59 +179,118 @@ def adam_leaf(
   out_dtype,
   weight: float | None,
 ):
-  """One leaf's moments and adaptive update: ``(mu, nu, update)``.
+  """One leaf's adaptive update from its new moments ``mu``, ``nu``.
 
-  ``hyper``: the step's scalars (:func:`step_scalars`); ``weight``: the
-  Adam weight when it is static (a weight of 1 or 0 leaves the other term
-  out of the program). The mechanism's math for one leaf, used by
-  :func:`scale_by_nesterov_adam_rms` and by the fused core of
-  :func:`grpo_optax.grpo`. Jitted, so that leaves of one shape share one
-  trace and one lowered function (XLA inlines the calls): tracing each
-  leaf's two dozen operations anew was a third of the update's compile time.
-  Every scalar quotient and difference (``1 - b1``, ``1 / bc2``, ...) is
-  taken once per step in :func:`step_scalars`: per leaf, each was an
-  instruction more for XLA to simplify and fuse, and the instruction count
-  is what the update's compile time follows.
+  ``weight``: the Adam weight when it is static (a weight of 1 or 0 leaves
+  the other term out of the program). Every scalar quotient and difference
+  (``1 - b1``, ``1 / bc2``, ...) is taken once per step in
+  :func:`step_scalars`: per leaf, each was an instruction more for XLA to
+  simplify and fuse, and the instruction count is what the update's compile
+  time follows.
   """
-  (
-    b1,
-    b2,
-    eps,
-    eps_root,
-    adam_weight,
-    omb1,
-    omb2,
-    c_mu,
-    c_g,
-    inv_bc1,
-    inv_bc2,
-  ) = hyper
-  # Moments stored wider than the gradient (float16 params) get the gradient
-  # in their dtype before it is squared.
-  m = g.astype(jnp.promote_types(g.dtype, nu.dtype))
-  mu_new = b1 * mu + omb1 * m
-  nu_new = b2 * nu + omb2 * _common.abs_sq(m)
+  (_, _, eps, eps_root, adam_weight, _, _, c_mu, c_g, inv_bc1, inv_bc2) = hyper
+  m = _promoted(g, nu)
   if nesterov:
-    mu_hat = nesterov_moment(
-      mu_new, m, c_mu.astype(mu_new.dtype), c_g.astype(mu_new.dtype)
-    )
+    mu_hat = nesterov_moment(mu, m, c_mu.astype(mu.dtype), c_g.astype(mu.dtype))
   else:
-    mu_hat = mu_new * inv_bc1.astype(mu_new.dtype)
-  nu_hat = nu_new * inv_bc2.astype(nu_new.dtype)
+    mu_hat = mu * inv_bc1.astype(mu.dtype)
+  nu_hat = nu * inv_bc2.astype(nu.dtype)
   u = adam_rms_mix(
     mu_hat,
     nu_hat,
-    nu_hat if rms_bias_correction else nu_new,
+    nu_hat if rms_bias_correction else nu,
     m,
     eps,
     eps_root,
     adam_weight if weight is None else weight,
   )
-  return mu_new.astype(mu.dtype), nu_new.astype(nu.dtype), u.astype(out_dtype)
+  return u.astype(out_dtype)
+
+
+def _promoted(g, nu):
+  """The gradient in its dtype promoted with ``nu``'s: moments stored wider
+  than the gradient (float16 params) get it in their dtype before it is
+  squared.
+  """
+  return g.astype(jnp.promote_types(g.dtype, nu.dtype))
+
+
+def reads_stored(fmt) -> bool:
+  """Whether the update reads a moment stored in ``fmt`` as stored (decoded)
+  rather than as computed: for the 8-bit and the stochastic formats.
+
+  Their stored value is no cheap function of the old one (a block scale, a
+  random rounding), so a kernel computing the update from the old value
+  reads it while another overwrites it in place: XLA then copies the old
+  codes every step (26 copies of 0.75-4 MB on the 21M-parameter tree of
+  ``benchmarks.step_time``). Reading what was stored orders the two kernels
+  and is the update the state describes (a resumed run computes it again).
+  None and the deterministic float formats keep optax's rule: the update
+  from the moment before its cast (``"bfloat16"`` equals ``mu_dtype``).
+  """
+  return fmt is not None and (fmt.blocked or fmt.stochastic)
+
+
+def adaptive_step(
+  cfg,
+  g_leaves,
+  stored_mu,
+  stored_nu,
+  hyper,
+  out_dtypes,
+  treedef,
+  *,
+  scales=(None, None),
+  keys=(None, None),
+):
+  """One step of the moments and the update: ``(updates, mu, nu)``, the
+  updates a list over ``g_leaves``, ``mu`` / ``nu`` stored as ``cfg``'s
+  formats say.
+
+  Decodes the stored moments (``nu``, a denominator, with a floor), takes
+  each leaf's new moments (:func:`adam_moments`), stores them
+  (:func:`encode_moment`, with ``scales`` from :func:`moment_scale` and
+  ``keys`` for stochastic formats) and computes each leaf's update
+  (:func:`adam_update`) from the new moments, read back from what was
+  stored where :func:`reads_stored`. Used by
+  :func:`scale_by_nesterov_adam_rms` and by the fused core of
+  :func:`grpo_optax.grpo`.
+  """
+  mu_fmt, nu_fmt = cfg.mu_format, cfg.nu_format
+  mu_old = treedef.flatten_up_to(decoded(mu_fmt, stored_mu))
+  nu_old = treedef.flatten_up_to(decoded(nu_fmt, stored_nu, True))
+  news = [
+    adam_moments(g, *mv, hyper) for g, mv in zip(g_leaves, zip(mu_old, nu_old))
+  ]
+  mus = [m.astype(o.dtype) for (m, _), o in zip(news, mu_old)]
+  nus = [v.astype(o.dtype) for (_, v), o in zip(news, nu_old)]
+  mu = encode_moment(mu_fmt, treedef.unflatten(mus), keys[0], scales[0])
+  nu = encode_moment(nu_fmt, treedef.unflatten(nus), keys[1], scales[1])
+  mu_read = [m for m, _ in news]
+  nu_read = [v for _, v in news]
+  if reads_stored(mu_fmt):
+    mu_read = treedef.flatten_up_to(decoded(mu_fmt, mu))
+  if reads_stored(nu_fmt):
+    nu_read = treedef.flatten_up_to(decoded(nu_fmt, nu, True))
+  weight = _common.concrete_value(cfg.adam_weight)
+  outs = [
+    adam_update(
+      g,
+      m,
+      v,
+      hyper,
+      nesterov=cfg.nesterov,
+      rms_bias_correction=cfg.rms_bias_correction,
+      out_dtype=jnp.dtype(dtype),
+      weight=weight,
+    )
+    for g, m, v, dtype in zip(g_leaves, mu_read, nu_read, out_dtypes)
+  ]
+  return outs, mu, nu
 
 
 def step_scalars(cfg: ScaleByNesterovAdamRmsConfig, count: jax.Array):
-  """``(count + 1, hyper)``: the scalars of :func:`adam_leaf` for the step
+  """``(count + 1, hyper)``: the scalars of :func:`adam_moments` and :func:`adam_update` for the step
   whose count before it is ``count``, float32: ``(b1, b2, eps, eps_root,
   adam_weight, 1 - b1, 1 - b2, b1 / bc1_next, (1 - b1) / bc1, 1 / bc1,
   1 / bc2)`` with ``bc = 1 - b^(count + 1)`` and ``bc1_next = 1 -
@@ -243,27 +317,6 @@ def step_scalars(cfg: ScaleByNesterovAdamRmsConfig, count: jax.Array):
     1 / bc2,
   )
   return t1, hyper
-
-
-def adam_leaves(cfg, g_leaves, mu_leaves, nu_leaves, hyper, out_dtypes):
-  """:func:`adam_leaf` over the leaves: ``(mus, nus, updates)``."""
-  mus, nus, outs = [], [], []
-  weight = _common.concrete_value(cfg.adam_weight)
-  for g, mu, nu, dtype in zip(g_leaves, mu_leaves, nu_leaves, out_dtypes):
-    mu_new, nu_new, u = adam_leaf(
-      g,
-      mu,
-      nu,
-      hyper,
-      nesterov=cfg.nesterov,
-      rms_bias_correction=cfg.rms_bias_correction,
-      out_dtype=jnp.dtype(dtype),
-      weight=weight,
-    )
-    mus.append(mu_new)
-    nus.append(nu_new)
-    outs.append(u)
-  return mus, nus, outs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,9 +407,6 @@ class ScaleByNesterovAdamRmsConfig(_mechanism.Config):
     )
     filtered, g = self._filter(updates, state)
     g_leaves, treedef = jax.tree.flatten(g)
-    # nu is a denominator: its 8-bit code 0 must not decode to 0 (floor).
-    mu = treedef.flatten_up_to(decoded(self.mu_format, state.mu))
-    nu = treedef.flatten_up_to(decoded(self.nu_format, state.nu, True))
     count_inc, hyper = step_scalars(self, state.count)
     dtypes = update_dtypes(
       updates,
@@ -364,24 +414,27 @@ class ScaleByNesterovAdamRmsConfig(_mechanism.Config):
       (state.mu if self.mu_format is None else None, self.mu_dtype),
       (state.nu if self.nu_format is None else None, self.nu_dtype),
     )
-    mus, nus, outs = adam_leaves(self, g_leaves, mu, nu, hyper, dtypes)
     new_key, mu_key, nu_key = (
       jax.random.split(state.key, 3) if self.stochastic else (None,) * 3
     )
-    mu_scale = moment_scale(
-      self.mu_format, state.mu, self.b1, g_leaves, 1, treedef
-    )
-    nu_scale = moment_scale(
-      self.nu_format, state.nu, self.b2, g_leaves, 2, treedef
+    outs, mu, nu = adaptive_step(
+      self,
+      g_leaves,
+      state.mu,
+      state.nu,
+      hyper,
+      dtypes,
+      treedef,
+      scales=(
+        moment_scale(self.mu_format, state.mu, self.b1, g_leaves, 1, treedef),
+        moment_scale(self.nu_format, state.nu, self.b2, g_leaves, 2, treedef),
+      ),
+      keys=(mu_key, nu_key),
     )
     return treedef.unflatten(outs), ScaleByNesterovAdamRmsState(
       count=count_inc,
-      mu=encode_moment(
-        self.mu_format, treedef.unflatten(mus), mu_key, mu_scale
-      ),
-      nu=encode_moment(
-        self.nu_format, treedef.unflatten(nus), nu_key, nu_scale
-      ),
+      mu=mu,
+      nu=nu,
       filtered=filtered,
       key=new_key,
     )

@@ -335,23 +335,15 @@ def _check_blocks_in_shards(fmt: StateFormat, x: Any, name: str) -> None:
     )
 
 
-def _blocks(fmt: StateFormat, x: jax.Array) -> tuple[jax.Array, int]:
-  """``x`` as ``(..., num_blocks, B)`` (zero-padded) and the pad length."""
+def _blocks(fmt: StateFormat, x: jax.Array) -> jax.Array:
+  """``x`` as ``(..., num_blocks, B)``, zero-padded (for the reductions)."""
   x = x.reshape(x.shape or (1,))
   n = x.shape[-1]
   b = max(min(fmt.block_size, n), 1)
-  nb = math.ceil(n / b)
-  pad = nb * b - n
+  pad = math.ceil(n / b) * b - n
   if pad:
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-  return x.reshape(x.shape[:-1] + (nb, b)), pad
-
-
-def _unblock(blocks: jax.Array, pad: int, shape: tuple[int, ...]) -> jax.Array:
-  x = blocks.reshape(blocks.shape[:-2] + (-1,))
-  if pad:
-    x = x[..., : x.shape[-1] - pad]
-  return x.reshape(shape)
+  return x.reshape(x.shape[:-1] + (-1, b))
 
 
 def _power(q: jax.Array, power: int) -> jax.Array:
@@ -366,9 +358,27 @@ def _root(u: jax.Array, power: int) -> jax.Array:
   return u if power == 1 else jnp.power(u, np.float32(1 / power))
 
 
-def _per_block(block_values: jax.Array, like: jax.Array) -> jax.Array:
-  """``block_values`` (one per block) broadcast over ``like``'s blocks."""
-  return block_values.reshape(like.shape[:-1])[..., None]
+def _per_entry(
+  fmt: StateFormat, block_values: jax.Array, shape: tuple[int, ...]
+) -> jax.Array:
+  """``block_values`` (one per block, shaped like the scales) repeated over
+  each block's entries of an array of ``shape``.
+
+  The encode and the decode multiply the data by these in the data's own
+  shape, not in blocks: a kernel that reads an array and writes its new
+  codes with no reshape between them can write them in place of the old
+  codes (XLA shares a buffer between a kernel's operand and its output only
+  when the kernel reads it elementwise in the output's shape).
+  """
+  if not shape:
+    return block_values.reshape(())
+  n = shape[-1]
+  b = max(min(fmt.block_size, n), 1)
+  v = block_values.reshape(tuple(shape[:-1]) + (-1, 1))
+  v = jnp.broadcast_to(v, v.shape[:-1] + (b,)).reshape(
+    tuple(shape[:-1]) + (-1,)
+  )
+  return v[..., :n] if v.shape[-1] != n else v
 
 
 def _encode_blocked(
@@ -376,26 +386,24 @@ def _encode_blocked(
   x: jax.Array,
   bits: jax.Array | None = None,
   scale: jax.Array | None = None,
-  read_back: bool = False,
-) -> tuple[Quantized, jax.Array | None]:
-  """The stored array and, with ``read_back``, :func:`stored_absmax` of it
-  (None otherwise).
-  """
+) -> Quantized:
+  """The stored array (see :func:`encode`)."""
   # In level units: y = Q^p |x| / s lies in [0, Q^p] and code k stands for
   # k^p, so the two codes around y are lo = floor(y^(1/p)) and lo + 1, and
   # the nearest in value is lo + 1 iff y > (lo^p + (lo + 1)^p) / 2. About a
   # dozen operations per entry: the encode is the 8-bit step's main cost.
-  shape = x.shape
-  xb, pad = _blocks(fmt, x.astype(jnp.float32))
+  shape = tuple(x.shape)
+  x = x.astype(jnp.float32)
   if scale is None:
-    absmax = jnp.max(jnp.abs(xb), axis=-1)
+    xb = _blocks(fmt, x)
+    absmax = jnp.max(jnp.abs(xb), axis=-1).reshape(scale_shape(fmt, shape))
   else:
-    absmax = jnp.asarray(scale, jnp.float32).reshape(xb.shape[:-1])
+    absmax = jnp.asarray(scale, jnp.float32).reshape(scale_shape(fmt, shape))
   q_max = np.float32(fmt.levels)
   top = np.float32(float(fmt.levels) ** fmt.power)
-  k = jnp.where(absmax > 0, top / absmax, 0.0)[..., None]
+  k = _per_entry(fmt, jnp.where(absmax > 0, top / absmax, 0.0), shape)
   # "uint8" stores negative entries as 0.
-  mag = jnp.maximum(xb, 0.0) if fmt.dtype == jnp.uint8 else jnp.abs(xb)
+  mag = jnp.maximum(x, 0.0) if fmt.dtype == jnp.uint8 else jnp.abs(x)
   y = jnp.minimum(mag * k, top)
   lo = jnp.minimum(jnp.floor(_root(y, fmt.power)), q_max)
   below = _power(lo, fmt.power)
@@ -404,24 +412,31 @@ def _encode_blocked(
     up = y - below > 0.5 * gap  # nearest in value
   else:
     # Up with probability (y - below) / gap: unbiased in value.
-    bb, _ = _blocks(fmt, bits)
-    uniform = (bb >> np.uint32(8)).astype(jnp.float32) * np.float32(2**-24)
+    uniform = (bits >> np.uint32(8)).astype(jnp.float32) * np.float32(2**-24)
     up = uniform * gap < y - below
   q = jnp.where(up, lo + 1, lo)
   if fmt.dtype == jnp.int8:
-    q = jnp.where(xb < 0, -q, q)
-  stored_max = None
-  if read_back:
-    # Through bf16 (exact: |q| <= 255 has 8 significant bits): XLA:CPU
-    # counts a float32 -> bf16 cast as expensive and keeps it, so the codes,
-    # in one kernel, which the readers of the codes then read.
-    q = q.astype(jnp.bfloat16)
-    # The blocks' largest |code| from that bf16 array: a reduction of the
-    # int8 codes would have XLA:CPU write them out once more for it (1 byte
-    # per entry of temporaries) before the kernel that stores them.
-    stored_max = _largest_value(fmt, q, absmax.reshape(scale_shape(fmt, shape)))
-  codes = _unblock(q.astype(fmt.dtype), pad, shape)
-  return Quantized(codes, absmax.reshape(scale_shape(fmt, shape))), stored_max
+    q = jnp.where(x < 0, -q, q)
+  return Quantized(_kept(q.astype(fmt.dtype)), absmax)
+
+
+def _kept(codes: jax.Array) -> jax.Array:
+  """``codes`` themselves, computed in a kernel of their own that their
+  readers read.
+
+  XLA:CPU recomputes a cheap elementwise value in each of its readers. New
+  codes are computed from the old ones (the moment's decay) and overwrite
+  them in place, so a reader recomputing them (the update, the mask, the
+  next threshold's sample) keeps the old codes alive: XLA then copies them
+  first (26 copies of 0.75-4 MB per step with 8-bit moments on the
+  21M-parameter tree of ``benchmarks.step_time``) and keeps float32
+  temporaries. An integer division is not cheap to XLA, so it is computed
+  once; here the divisor is the code's top bit (a logical shift) or 1,
+  which is 1 for every code, which LLVM sees: no division is left in the program.
+  """
+  shift = jnp.array(jnp.iinfo(codes.dtype).bits - 1, codes.dtype)
+  one = jax.lax.shift_right_logical(codes, shift) | jnp.array(1, codes.dtype)
+  return jax.lax.div(codes, one)
 
 
 def block_absmax(
@@ -436,26 +451,29 @@ def block_absmax(
   """
   fmt = state_format(fmt)
   _check_blocks_in_shards(fmt, x, name)
-  xb, _ = _blocks(fmt, x)  # zero padding: below every block's maximum
+  xb = _blocks(fmt, x)  # zero padding: below every block's maximum
   hi = jnp.max(xb, axis=-1).astype(jnp.float32)
   lo = jnp.min(xb, axis=-1).astype(jnp.float32)
   return jnp.maximum(hi, -lo).reshape(scale_shape(fmt, tuple(x.shape)))
 
 
 def _decode_blocked(
-  fmt: StateFormat, stored: Quantized, floor: bool
+  fmt: StateFormat, stored: Quantized, floor: bool, in_blocks: bool = False
 ) -> jax.Array:
   codes = stored.codes
-  shape = codes.shape
-  qb, pad = _blocks(fmt, codes)
-  q = qb.astype(jnp.float32)
+  shape = tuple(codes.shape)
   # s (|q| / Q)^p as |q|^p (s / Q^p): one multiply by a per-block constant.
   unit = stored.scale / np.float32(float(fmt.levels) ** fmt.power)
+  q = (_blocks(fmt, codes) if in_blocks else codes).astype(jnp.float32)
   mag = _power(jnp.abs(q), fmt.power)
   if floor:  # code 0 holds [0, s (1/Q)^p / 2]: its upper end
     mag = jnp.maximum(mag, 0.5)
   value = jnp.where(q < 0, -mag, mag) if fmt.dtype == jnp.int8 else mag
-  return _unblock(value * _per_block(unit, qb), pad, shape)
+  if not in_blocks:
+    return value * _per_entry(fmt, unit, shape)
+  value = value * unit.reshape(q.shape[:-1])[..., None]
+  value = value.reshape(value.shape[:-2] + (-1,))
+  return value[..., : shape[-1]].reshape(shape) if shape else value.reshape(())
 
 
 def stored_absmax(fmt: FormatLike, stored: Quantized) -> jax.Array:
@@ -466,14 +484,14 @@ def stored_absmax(fmt: FormatLike, stored: Quantized) -> jax.Array:
   fmt = state_format(fmt)
   if jnp.issubdtype(stored.codes.dtype, jnp.floating):  # stored exactly
     return block_absmax(fmt, stored.codes)
-  qb, _ = _blocks(fmt, stored.codes)
+  qb = _blocks(fmt, stored.codes)
   return _largest_value(fmt, qb, stored.scale)
 
 
 def _largest_value(fmt: StateFormat, qb: jax.Array, scale: jax.Array):
   """Each block's largest decoded ``|value|`` from its codes ``qb`` (blocked,
-  ``(..., num_blocks, B)``: the int8 codes or their exact bf16 image) and
-  the scales: ``(max |q|)^p s / Q^p`` (decoding is monotone in ``|q|``).
+  ``(..., num_blocks, B)``) and the scales: ``(max |q|)^p s / Q^p``
+  (decoding is monotone in ``|q|``).
   """
   hi = jnp.max(qb, axis=-1).astype(jnp.int32)
   if fmt.dtype == jnp.int8:
@@ -514,7 +532,6 @@ def encode(
   key: jax.Array | None = None,
   bits: jax.Array | None = None,
   scale: jax.Array | None = None,
-  read_back: bool = False,
 ) -> Any:
   r"""Stores ``x`` in format ``fmt``.
 
@@ -543,14 +560,6 @@ def encode(
       blocks (an optimizer's moments: see
       ``grpo_optax.momentum.moment_scale``) encode in one elementwise
       pass, without first reducing the new array. Ignored by float formats.
-    read_back: 8-bit formats: the program decodes the result again (an
-      accumulator whose readers must see the stored value). The codes are
-      then made in one kernel that the readers read, through an exact cast
-      to bf16 that XLA:CPU does not recompute per reader; otherwise XLA:CPU
-      recomputes the rounding in every reader and keeps the rounding's
-      float32 input in memory for them (5 bytes per entry of temporaries,
-      2.3x the step time, measured on a 12.6M-entry accumulator). Off by
-      default: where nothing decodes the codes, the cast only costs time.
 
   Returns:
     An array of ``fmt.dtype`` (float formats) or a :class:`Quantized`.
@@ -574,9 +583,7 @@ def encode(
     return Quantized(x.astype(jnp.float32), unused)
   if fmt.blocked:
     _check_blocks_in_shards(fmt, x, "an array")
-    return _encode_blocked(
-      fmt, x, bits if fmt.stochastic else None, scale, read_back
-    )[0]
+    return _encode_blocked(fmt, x, bits if fmt.stochastic else None, scale)
   if bits is not None and fmt.stochastic:
     return _round_bf16_stochastic(x, bits)
   return x.astype(fmt.dtype)
@@ -589,13 +596,11 @@ def encode_with_absmax(
   bits: jax.Array | None = None,
   scale: jax.Array | None = None,
 ) -> tuple[Quantized, jax.Array]:
-  """``encode(fmt, x, bits=bits, scale=scale, read_back=True)`` and
-  :func:`stored_absmax` of the result (8-bit formats only).
-
-  Equal to the two calls, but the blocks' maxima are reduced from the exact
-  bf16 image of the codes that ``read_back`` makes: a reduction of the int8
-  codes has XLA:CPU write them out a second time (1 byte per entry of
-  temporaries, and its page faults) before the kernel that stores them.
+  """``encode(fmt, x, bits=bits, scale=scale)`` and :func:`stored_absmax`
+  of the result (8-bit formats only): what an accumulator whose readers read
+  the stored value needs. The maxima are reduced from the codes that the
+  encode's kernel writes (:func:`encode` computes them once for all their
+  readers), so they add no parameter-sized temporary.
 
   Raises:
     ValueError: if ``fmt`` is not block-wise 8-bit, or is stochastic and
@@ -613,18 +618,13 @@ def encode_with_absmax(
       f"format {fmt.name!r} rounds stochastically: `bits` must be a uint32 "
       "array shaped like `x`, got None."
     )
-  if fmt.exact(tuple(x.shape)):
-    stored = encode(fmt, x, bits=bits, scale=scale, read_back=True)
-    return stored, stored_absmax(fmt, stored)
-  _check_blocks_in_shards(fmt, x, "an array")
-  stored, maxima = _encode_blocked(
-    fmt, x, bits if fmt.stochastic else None, scale, True
-  )
-  assert maxima is not None
-  return stored, maxima
+  stored = encode(fmt, x, bits=bits, scale=scale)
+  return stored, stored_absmax(fmt, stored)
 
 
-def decode(fmt: FormatLike, stored: Any, *, floor: bool = False) -> jax.Array:
+def decode(
+  fmt: FormatLike, stored: Any, *, floor: bool = False, in_blocks: bool = False
+) -> jax.Array:
   r"""The float32 array of the parameter's shape that ``stored`` represents.
 
   Args:
@@ -646,6 +646,13 @@ def decode(fmt: FormatLike, stored: Any, *, floor: bool = False) -> jax.Array:
       :math:`\hat m / (\sqrt{\hat v} + \epsilon)` is then
       :math:`\hat m / \epsilon`: measured up to :math:`10^5` times the
       float32 update on one block of 256 entries.
+    in_blocks: 8-bit formats: compute in blocks, ``(..., num_blocks, B)``,
+      not in the array's shape; the values are the same. In the array's
+      shape (the default), a kernel that decodes old codes and writes new
+      ones (a state's update) can write them in place of the old codes; in
+      blocks, XLA:CPU fuses the decode into a strided sample of the result
+      (the top-k threshold's), which it does not for the other, and writes
+      the decoded array out in float32 instead.
 
   Returns:
     The float32 array.
@@ -655,7 +662,7 @@ def decode(fmt: FormatLike, stored: Any, *, floor: bool = False) -> jax.Array:
     return stored.codes.astype(jnp.float32)  # stored exactly (min_size)
   if fmt.blocked:
     _check_blocks_in_shards(fmt, stored.codes, "an array")
-    return _decode_blocked(fmt, stored, floor)
+    return _decode_blocked(fmt, stored, floor, in_blocks)
   return stored.astype(jnp.float32)
 
 

@@ -272,10 +272,11 @@ def store_accumulator(
       new_stored.append(enc.codes)
       new_scales.append(enc.scale)
     else:
-      enc = quantization.encode(fmt, value, bits=bits, read_back=True)
+      enc = quantization.encode(fmt, value, bits=bits)
       new_stored.append(enc)
       new_scales.append(sc)
-    dec = quantization.decode(fmt, enc).astype(a.dtype)
+    # In blocks: the next threshold's sample reads it (see decode).
+    dec = quantization.decode(fmt, enc, in_blocks=True).astype(a.dtype)
     read[i] = dec if d is False else jnp.where(d, a, dec)
   if fmt is not None and fmt.blocked:
     return (

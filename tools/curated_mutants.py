@@ -274,7 +274,7 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "rms_uses_bias_corrected_nu",
     "grpo_optax/momentum.py",
-    "nu_hat if rms_bias_correction else nu_new,",
+    "nu_hat if rms_bias_correction else nu,",
     "nu_hat,",
     T_MOM,
     "RMSProp part with bias correction (optax's has none)",
@@ -476,7 +476,7 @@ MUTANTS: list[Mutant] = [
   # masks and the fused core now add the residual in one function).
   # -- re-targeted to the configs (issue 30) -------------------------------
   # The fused core composes the mechanisms' own config methods
-  # (clipping.clip_leaves, TopKMaskConfig.threshold_phase, momentum.adam_leaf
+  # (clipping.clip_leaves, TopKMaskConfig.threshold_phase, momentum.adam_update
   # and step_scalars), so most fused_* mutants now mutate those, shared with
   # the chain: tests/test_one_algorithm.py cannot see them there, the rooms'
   # references and tests/test_fused.py's optax limits do. grpo() reads its
@@ -776,10 +776,10 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "second_moment_decay_b1",
     "grpo_optax/momentum.py",
-    "nu_new = b2 * nu + omb2 * _common.abs_sq(m)",
-    "nu_new = b1 * nu + omb1 * _common.abs_sq(m)",
+    "b2 * nu + omb2 * _common.abs_sq(m)",
+    "b1 * nu + omb1 * _common.abs_sq(m)",
     T_MOM + T_FUSED,
-    "second moment decays with b1 (adam_leaf)",
+    "second moment decays with b1 (adam_moments)",
   ),
   Mutant(
     "moment_dtype_float16_not_widened",
@@ -813,7 +813,7 @@ MUTANTS: list[Mutant] = [
     "m_leaves = list(a_leaves)",
     T_ONE + T_FUSED,
     "Adam's moments updated with the gradient before the mask (the fused"
-    " core hands one masked gradient to momentum.adam_leaves, which feeds"
+    " core hands one masked gradient to momentum.adaptive_step, which feeds"
     " the moments and the update alike, so the update sees it too)",
   ),
   Mutant(
@@ -847,19 +847,19 @@ MUTANTS: list[Mutant] = [
   Mutant(
     "fused_mu_not_bias_corrected",
     "grpo_optax/momentum.py",
-    "mu_hat = mu_new * inv_bc1.astype(mu_new.dtype)",
-    "mu_hat = mu_new",
+    "mu_hat = mu * inv_bc1.astype(mu.dtype)",
+    "mu_hat = mu",
     T_FUSED + T_MOM,
     "plain Adam's first moment without bias correction"
-    " (momentum.adam_leaf, the fused core's Adam)",
+    " (momentum.adam_update, the fused core's Adam)",
   ),
   Mutant(
     "fused_rms_correction_inverted",
     "grpo_optax/momentum.py",
-    "nu_hat if rms_bias_correction else nu_new,",
-    "nu_new if rms_bias_correction else nu_hat,",
+    "nu_hat if rms_bias_correction else nu,",
+    "nu if rms_bias_correction else nu_hat,",
     T_FUSED + T_MOM,
-    "rms_bias_correction inverted (momentum.adam_leaf, the fused core's Adam)",
+    "rms_bias_correction inverted (momentum.adam_update, the fused core's Adam)",
   ),
   Mutant(
     "fused_l2_only_in_the_norm",
