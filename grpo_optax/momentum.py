@@ -290,8 +290,9 @@ def adaptive_step(
 
 
 def step_scalars(cfg: ScaleByNesterovAdamRmsConfig, count: jax.Array):
-  """``(count + 1, hyper)``: the scalars of :func:`adam_moments` and :func:`adam_update` for the step
-  whose count before it is ``count``, float32: ``(b1, b2, eps, eps_root,
+  """``(count + 1, hyper)``: the scalars of :func:`adam_moments` and
+  :func:`adam_update` for the step whose count before it is ``count``,
+  float32: ``(b1, b2, eps, eps_root,
   adam_weight, 1 - b1, 1 - b2, b1 / bc1_next, (1 - b1) / bc1, 1 / bc1,
   1 / bc2)`` with ``bc = 1 - b^(count + 1)`` and ``bc1_next = 1 -
   b1^(count + 2)``.
@@ -561,8 +562,11 @@ def scale_by_nesterov_adam_rms(
 
   Storage: with ``mu_format`` / ``nu_format`` (see
   :mod:`grpo_optax.quantization`) the state keeps ``mu`` / ``nu`` in that
-  format; each step decodes them to float32, applies 2.-4. and encodes the
-  new moments, in the same elementwise pass.
+  format; each step decodes them to float32, updates and encodes them in
+  one elementwise pass. With an 8-bit or a stochastic format, 3.-4. read
+  the new moments as stored (decoded), so the update is the one the state
+  describes; with None, ``"float32"`` or ``"bfloat16"``, they read them
+  before the cast, as optax does with ``mu_dtype``.
 
   Limits: ``adam_weight=1, nesterov=False`` is ``optax.scale_by_adam``,
   ``adam_weight=1, nesterov=True`` is NAdam, ``adam_weight=0`` is RMSProp.
