@@ -286,3 +286,59 @@ def test_mu_dtype_and_mu_format_exclusive():
     )
   with pytest.raises(ValueError, match="format"):
     grpo_optax.scale_by_nesterov_adam_rms(nu_format="int3")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_eight_bit_update_is_the_one_the_stored_moments_give(fused):
+  # The update reads the moments as stored (momentum.reads_stored): Adam's
+  # step from the decoded new codes (nu with its floor), not from the
+  # moments before rounding, which differ by up to half a code. Three steps
+  # of gradients with swings, so that the old codes matter too.
+  mu_fmt = quantization.state_format("int8", min_size=0)
+  nu_fmt = quantization.state_format("uint8", min_size=0)
+  b1, b2, eps = 0.9, 0.99, 1e-8
+  if fused:
+    tx = grpo_optax.grpo(
+      1.0,
+      max_norm=None,
+      sparsify=None,
+      adam_weight=1.0,
+      nesterov=False,
+      b1=b1,
+      b2=b2,
+      eps=eps,
+      mu_format=mu_fmt,
+      nu_format=nu_fmt,
+    )
+  else:
+    tx = grpo_optax.scale_by_nesterov_adam_rms(
+      b1=b1,
+      b2=b2,
+      eps=eps,
+      adam_weight=1.0,
+      nesterov=False,
+      mu_format=mu_fmt,
+      nu_format=nu_fmt,
+    )
+  params = {"w": jnp.zeros((4, 512))}
+  state = tx.init(params)
+  rng = np.random.default_rng(5)
+  for t in range(1, 4):
+    g = {"w": jnp.asarray(rng.standard_t(2, (4, 512)) * 10.0 ** (t % 2))}
+    u, state = jax.jit(tx.update)(g, state, params)
+    adaptive = state.adaptive if fused else state
+    mu = quantization.decode(
+      mu_fmt,
+      quantization.Quantized(adaptive.mu.codes["w"], adaptive.mu.scale["w"]),
+    )
+    nu = quantization.decode(
+      nu_fmt,
+      quantization.Quantized(adaptive.nu.codes["w"], adaptive.nu.scale["w"]),
+      floor=True,
+    )
+    mu_hat = np.asarray(mu, np.float64) / (1 - b1**t)
+    nu_hat = np.asarray(nu, np.float64) / (1 - b2**t)
+    want = mu_hat / (np.sqrt(nu_hat) + eps)
+    if fused:
+      want = -want  # grpo() applies its learning rate (1.0) as a descent
+    np.testing.assert_allclose(u["w"], want, rtol=2e-5, atol=1e-7)
