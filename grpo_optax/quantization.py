@@ -432,7 +432,8 @@ def _kept(codes: jax.Array) -> jax.Array:
   21M-parameter tree of ``benchmarks.step_time``) and keeps float32
   temporaries. An integer division is not cheap to XLA, so it is computed
   once; here the divisor is the code's top bit (a logical shift) or 1,
-  which is 1 for every code, which LLVM sees: no division is left in the program.
+  which is 1 for every code, which LLVM sees: no division is left in the
+  program.
   """
   shift = jnp.array(jnp.iinfo(codes.dtype).bits - 1, codes.dtype)
   one = jax.lax.shift_right_logical(codes, shift) | jnp.array(1, codes.dtype)

@@ -297,29 +297,12 @@ def test_eight_bit_update_is_the_one_the_stored_moments_give(fused):
   mu_fmt = quantization.state_format("int8", min_size=0)
   nu_fmt = quantization.state_format("uint8", min_size=0)
   b1, b2, eps = 0.9, 0.99, 1e-8
+  adam = dict(b1=b1, b2=b2, eps=eps, adam_weight=1.0, nesterov=False)
+  formats = dict(mu_format=mu_fmt, nu_format=nu_fmt)
   if fused:
-    tx = grpo_optax.grpo(
-      1.0,
-      max_norm=None,
-      sparsify=None,
-      adam_weight=1.0,
-      nesterov=False,
-      b1=b1,
-      b2=b2,
-      eps=eps,
-      mu_format=mu_fmt,
-      nu_format=nu_fmt,
-    )
+    tx = grpo_optax.grpo(1.0, max_norm=None, sparsify=None, **adam, **formats)
   else:
-    tx = grpo_optax.scale_by_nesterov_adam_rms(
-      b1=b1,
-      b2=b2,
-      eps=eps,
-      adam_weight=1.0,
-      nesterov=False,
-      mu_format=mu_fmt,
-      nu_format=nu_fmt,
-    )
+    tx = grpo_optax.scale_by_nesterov_adam_rms(**adam, **formats)
   params = {"w": jnp.zeros((4, 512))}
   state = tx.init(params)
   rng = np.random.default_rng(5)
